@@ -1,0 +1,2 @@
+"""Framework adapters. Each module imports its framework; nothing here is imported by
+``import traintape``."""

@@ -1,0 +1,23 @@
+"""Errors raised by traintape's engine. Each names the thing at fault."""
+
+from __future__ import annotations
+
+
+class TraintapeError(Exception):
+    """Base class of traintape errors."""
+
+
+class StoreError(TraintapeError):
+    """The store location cannot be used (unwritable, foreign, corrupt)."""
+
+
+class NotAStoreError(StoreError):
+    """The path holds no traintape store."""
+
+
+class RecordError(TraintapeError, ValueError):
+    """A record call was given bad input (wrong step, shape, dtype or tensor set)."""
+
+
+class CaptureDisabledError(TraintapeError):
+    """Capture was disabled after a storage failure (raised only with ``strict=True``)."""

@@ -1,0 +1,66 @@
+"""Store locations: local paths and TensorStore kvstore URLs, and small-key I/O."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import tensorstore as ts
+
+CONTEXT = ts.Context()
+"""One TensorStore context for the process, so ``memory://`` stores are shared between a
+Recorder and a reader opened in the same process, and caches/thread pools are reused."""
+
+
+def normalize_url(url: str | os.PathLike[str]) -> str:
+    """Return a kvstore URL ending in ``/``: local paths become ``file://<abs path>/``."""
+    s = os.fspath(url)
+    if "://" not in s:
+        s = "file://" + os.path.abspath(os.path.expanduser(s))
+    return s if s.endswith("/") else s + "/"
+
+
+def local_path(url: str) -> str | None:
+    """The filesystem path of a ``file://`` URL, else None."""
+    u = normalize_url(url)
+    return u[len("file://") : -1] or "/" if u.startswith("file://") else None
+
+
+def join(url: str, key: str) -> str:
+    return normalize_url(url) + key.strip("/") + "/"
+
+
+class KvStore:
+    """Small-object access (JSON documents, listings) to a store's kvstore."""
+
+    def __init__(self, url: str) -> None:
+        self.url = normalize_url(url)
+        self._kv = ts.KvStore.open(self.url, context=CONTEXT).result()
+
+    def read_bytes(self, key: str) -> bytes | None:
+        r = self._kv.read(key).result()
+        return None if r.state == "missing" else bytes(r.value)
+
+    def read_json(self, key: str) -> Any | None:
+        raw = self.read_bytes(key)
+        return None if raw is None else json.loads(raw)
+
+    def write_json(self, key: str, obj: Any) -> None:
+        """Write a JSON document atomically (a single kvstore write, durable on return)."""
+        self._kv.write(key, json.dumps(obj, indent=1, sort_keys=True).encode()).result()
+
+    def write_bytes(self, key: str, data: bytes) -> None:
+        self._kv.write(key, data).result()
+
+    def list(self, prefix: str = "") -> list[str]:
+        keys = (
+            self._kv.list(ts.KvStore.KeyRange(prefix, "")).result()
+            if prefix
+            else self._kv.list().result()
+        )
+        out = [k.decode() for k in keys]
+        return [k for k in out if k.startswith(prefix)]
+
+    def delete_all(self) -> None:
+        self._kv.delete_range(ts.KvStore.KeyRange()).result()

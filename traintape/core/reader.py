@@ -1,0 +1,212 @@
+"""Reading a run store: :func:`open_run` returns a :class:`Run`.
+
+A Run shows committed data only: it reads the manifest once (or on :meth:`Run.refresh`)
+and never looks past its commit mark, so it is safe to use while another process is
+still writing the store.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+import tensorstore as ts
+
+from traintape.core import layout as L
+from traintape.core.errors import NotAStoreError
+from traintape.core.kvstore import CONTEXT, join, local_path, normalize_url
+from traintape.core.recorder import read_manifest
+from traintape.schema import STAT_NAMES, Event, Kind, Manifest, TensorSpec
+
+if TYPE_CHECKING:
+    import xarray as xr
+
+
+def open_run(url: str | os.PathLike[str]) -> Run:
+    """Open a traintape store for reading (local path or TensorStore kvstore URL).
+
+    Raises:
+        NotAStoreError: nothing (or something else) is at ``url``.
+        SchemaVersionError: the store was written by a newer major schema version.
+    """
+    u = normalize_url(url)
+    path = local_path(u)
+    if path is not None and not os.path.isdir(path):
+        raise NotAStoreError(f"no traintape store at {path}: directory does not exist")
+    return Run(u)
+
+
+class Run:
+    """A committed view of one run store."""
+
+    def __init__(self, url: str) -> None:
+        self.url = normalize_url(url)
+        self.manifest: Manifest = read_manifest(self.url)
+        self._arrays: dict[str, ts.TensorStore] = {}
+
+    def refresh(self) -> Run:
+        """Re-read the manifest: pick up rows another process committed since."""
+        self.manifest = read_manifest(self.url)
+        self._arrays.clear()
+        for attr in ("steps",):
+            self.__dict__.pop(attr, None)
+        return self
+
+    # ------------------------------------------------------------------ arrays
+    def array(self, path: str) -> ts.TensorStore:
+        """The TensorStore handle of an array in the store (e.g. ``'stats/grad'``)."""
+        arr = self._arrays.get(path)
+        if arr is None:
+            arr = ts.open(
+                {
+                    "driver": "zarr3",
+                    "kvstore": join(self.url, path),
+                    "recheck_cached_metadata": True,
+                },
+                open=True,
+                read=True,
+                context=CONTEXT,
+            ).result()
+            self._arrays[path] = arr
+        return arr
+
+    @property
+    def rows(self) -> int:
+        return self.manifest.commit.rows
+
+    @cached_property
+    def steps(self) -> np.ndarray:
+        """Optimizer step of every committed row, int64 ``[rows]`` (strictly increasing)."""
+        if self.rows == 0:
+            return np.zeros(0, dtype=np.int64)
+        return np.asarray(self.array(L.STEPS)[: self.rows].read().result())
+
+    def tensor_names(self, kind: Kind | str | None = None) -> list[str]:
+        """Canonical names (of one kind, in stats-axis order; or all, sorted)."""
+        return self.manifest.tensor_names(kind)
+
+    def spec(self, name: str, kind: Kind | str) -> TensorSpec:
+        return self.manifest.spec(name, kind)
+
+    def kinds(self) -> list[Kind]:
+        return self.manifest.kinds()
+
+    # ------------------------------------------------------------------ stats
+    def stats_array(
+        self, kind: Kind | str, tensors: list[str] | None = None, rows: slice | None = None
+    ) -> np.ndarray:
+        """Stat vectors ``[row, tensor, stat]`` float64 (NaN where a row lacks the kind)."""
+        kind = Kind(kind)
+        names = self.tensor_names(kind)
+        if not names:
+            raise KeyError(f"no tensors of kind {kind.value} in {self.url}")
+        r = rows or slice(0, self.rows)
+        start, stop, _ = r.indices(self.rows)
+        if stop <= start:
+            return np.zeros((0, len(names) if tensors is None else len(tensors), len(STAT_NAMES)))
+        arr = self.array(L.stats_path(kind))[start:stop]
+        if tensors is not None:
+            idx = [names.index(t) for t in tensors]
+            arr = arr[:, idx] if len(idx) != len(names) else arr
+            return np.asarray(arr.read().result())
+        return np.asarray(arr.read().result())
+
+    def stats(self, kind: Kind | str, tensors: list[str] | None = None) -> pd.DataFrame:
+        """Long table: one row per (step, tensor) with a column per stat.
+
+        Columns: ``step``, ``tensor``, then :data:`~traintape.schema.STAT_NAMES`. Rows
+        where the kind was not recorded are dropped.
+        """
+        kind = Kind(kind)
+        names = tensors if tensors is not None else self.tensor_names(kind)
+        data = self.stats_array(kind, tensors)
+        n_rows, n_t, n_s = data.shape
+        df = pd.DataFrame(data.reshape(n_rows * n_t, n_s), columns=list(STAT_NAMES))
+        df.insert(0, "tensor", np.tile(np.asarray(names, dtype=object), n_rows))
+        df.insert(0, "step", np.repeat(self.steps[:n_rows], n_t))
+        present = ~np.isnan(data).all(axis=2).reshape(-1)
+        return df[present].reset_index(drop=True)
+
+    def dataset(self) -> xr.Dataset:
+        """All committed stats and metrics as an xarray Dataset (dims row/tensor/stat).
+
+        Variables ``stats_<kind>`` have dims ``(step, tensor_<kind>, stat)``; metrics are
+        ``metric_<name>`` over ``step``.
+        """
+        import xarray as xr
+
+        coords: dict[str, Any] = {"step": self.steps, "stat": list(STAT_NAMES)}
+        data_vars: dict[str, Any] = {}
+        for kind in self.kinds():
+            dim = f"tensor_{kind.value}"
+            coords[dim] = self.tensor_names(kind)
+            data_vars[f"stats_{kind.value}"] = (("step", dim, "stat"), self.stats_array(kind))
+        for name, col in self.metrics().items():
+            data_vars[f"metric_{name}"] = ("step", col.reindex(self.steps).to_numpy())
+        return xr.Dataset(data_vars, coords=coords, attrs={"run_id": self.manifest.run_id})
+
+    # ------------------------------------------------------------------ metrics/events
+    def metrics(self) -> pd.DataFrame:
+        """Scalar metrics, a DataFrame indexed by ``step`` (a column per metric)."""
+        cols = {}
+        for name in self.manifest.metrics:
+            cols[name] = np.asarray(self.array(L.metric_path(name))[: self.rows].read().result())
+        df = pd.DataFrame(cols, index=pd.Index(self.steps, name="step"))
+        return df.dropna(how="all") if len(df.columns) else df
+
+    def events(self) -> list[Event]:
+        return list(self.manifest.events)
+
+    # ------------------------------------------------------------------ snapshots
+    def snapshot_steps(self, name: str, kind: Kind | str) -> np.ndarray:
+        """Steps at which ``name`` (of ``kind``) has a committed full snapshot."""
+        kind = Kind(kind)
+        self.spec(name, kind)
+        n = self.manifest.commit.snapshots.get(kind, 0)
+        if n == 0:
+            return np.zeros(0, dtype=np.int64)
+        return np.asarray(self.array(L.snapshot_steps_path(kind))[:n].read().result())
+
+    def _snapshot_index(self, name: str, kind: Kind | str, step: int) -> int:
+        steps = self.snapshot_steps(name, kind)
+        hits = np.flatnonzero(steps == step)
+        if hits.size == 0:
+            raise KeyError(
+                f"no snapshot of {Kind(kind).value} {name!r} at step {step}; "
+                f"snapshot steps: {steps.tolist()[:20]}"
+            )
+        return int(hits[0])
+
+    def snapshot(self, name: str, kind: Kind | str, step: int) -> np.ndarray:
+        """The full tensor ``name`` of ``kind`` at ``step``, canonical layout (numpy)."""
+        i = self._snapshot_index(name, kind, step)
+        return np.asarray(self.array(L.snapshot_path(kind, name))[i].read().result())
+
+    def snapshots(self, name: str, kind: Kind | str) -> ts.TensorStore:
+        """Lazy handle ``[snapshot, *shape]`` over the committed snapshots of one tensor."""
+        n = len(self.snapshot_steps(name, kind))
+        return self.array(L.snapshot_path(kind, name))[:n]
+
+    def trajectory(
+        self, name: str, kind: Kind | str, index: tuple[int, ...]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """One element's value over all snapshots: ``(steps, values)``.
+
+        Reads only the inner chunks holding that element, never whole tensors.
+        """
+        steps = self.snapshot_steps(name, kind)
+        if len(steps) == 0:
+            return steps, np.zeros(0)
+        arr = self.array(L.snapshot_path(kind, name))
+        values = np.asarray(arr[(slice(0, len(steps)), *index)].read().result())
+        return steps, values
+
+    def __repr__(self) -> str:
+        p = self.manifest.producer
+        return (
+            f"Run({self.url!r}, run_id={self.manifest.run_id}, rows={self.rows}, "
+            f"framework={p.framework}, status={self.manifest.status})"
+        )

@@ -1,0 +1,619 @@
+"""The Recorder: the framework-free write API every adapter uses.
+
+Step semantics (DESIGN): step ``t`` counts completed optimizer steps from 0. A *row*
+holds everything recorded for one step (stat vectors of each kind, metrics). Calls for
+the same step add to the open row; the first call for a later step seals it and hands
+it to the background writer. Calling with a step before the open one, or not after the
+last committed one when resuming, is an error.
+
+Durability: rows are committed (made visible and durable) every ``flush_every_steps``
+rows, every ``flush_every_seconds`` seconds, on :meth:`Recorder.flush` and on
+:meth:`Recorder.close`. A process that dies loses at most the rows since the last
+commit: ``flush_every_steps`` sealed rows (or ``flush_every_seconds`` of them) plus the
+open step.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import threading
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from pydantic import ValidationError
+
+from traintape.core import stats as S
+from traintape.core.errors import CaptureDisabledError, NotAStoreError, RecordError, StoreError
+from traintape.core.kvstore import KvStore, local_path, normalize_url
+from traintape.core.writer import Row, Snapshot, StoreWriter
+from traintape.schema import (
+    MANIFEST_ATTR,
+    N_STATS,
+    CapturePolicy,
+    Event,
+    Kind,
+    Manifest,
+    Producer,
+    Severity,
+    StoreLayout,
+    TensorSpec,
+    check_no_prefix_clash,
+    check_readable,
+    split_name,
+    validate_name,
+)
+
+ArrayLike = Any
+
+
+def default_producer(**fields: Any) -> Producer:
+    from traintape import __version__
+
+    base: dict[str, Any] = {
+        "traintape_version": __version__,
+        "python_version": platform.python_version(),
+        "hostname": socket.gethostname(),
+    }
+    base.update(fields)
+    return Producer(**base)
+
+
+def storage_dtype(dtype: np.dtype) -> np.dtype:
+    """How a dtype is stored: bfloat16 is widened to float32 (zarr-python lacks bf16)."""
+    return np.dtype(np.float32) if dtype.name == "bfloat16" else dtype
+
+
+class Recorder:
+    """Records one training run into a traintape store.
+
+    Args:
+        url: a local directory (created; the default kind of store) or a TensorStore
+            kvstore URL (``memory://name``, ``file:///abs``, ``gs://bucket/run``, ...).
+            An existing traintape store is reopened and appended to (resume).
+        policy: what to record and when (:class:`~traintape.schema.CapturePolicy`).
+            On resume, None keeps the store's policy; a different one is refused.
+        flush_every_steps: commit at least every K rows (also the rows per chunk of a new
+            store, so commits write whole chunks).
+        flush_every_seconds: commit at least every T seconds while data is pending.
+        max_pending: queue bound (rows + snapshots) between training and writer threads.
+        max_pending_bytes: bound on snapshot bytes handed over and not yet durable; the
+            training thread waits (a counted stall) beyond it.
+        strict: re-raise storage failures in the training thread instead of disabling
+            capture with a loud error.
+        compression: 'none' (default: float gradients compress poorly), 'zstd', 'blosc'.
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike[str] = "runs/run",
+        policy: CapturePolicy | None = None,
+        *,
+        run_id: str | None = None,
+        producer: Producer | None = None,
+        flush_every_steps: int = 64,
+        flush_every_seconds: float = 5.0,
+        max_pending: int = 1024,
+        max_pending_bytes: int = 1 << 30,
+        strict: bool = False,
+        compression: str = "none",
+        user: Mapping[str, Any] | None = None,
+    ) -> None:
+        if flush_every_steps < 1:
+            raise ValueError(f"flush_every_steps must be >= 1, got {flush_every_steps}")
+        if flush_every_seconds <= 0:
+            raise ValueError(f"flush_every_seconds must be > 0, got {flush_every_seconds}")
+        self.url = normalize_url(url)
+        self.strict = strict
+        self._lock = threading.RLock()  # guards manifest and row state; never held in put()
+        self._put_lock = threading.Lock()  # keeps hand-over order; may block on a full queue
+        self._outbox: list[Row | Snapshot] = []
+        existing = _prepare_location(self.url)
+        if existing is not None:
+            m = existing
+            if policy is not None and policy != m.policy:
+                raise RecordError(
+                    f"store {self.url} was recorded with policy {m.policy.model_dump()}; "
+                    f"refusing to resume it with a different policy {policy.model_dump()}"
+                )
+            m.status = "open"
+            if producer is not None:
+                m.producer = producer
+        else:
+            m = Manifest(
+                run_id=run_id or uuid.uuid4().hex,
+                producer=producer or default_producer(),
+                policy=policy or CapturePolicy(),
+                layout=StoreLayout(row_chunk=flush_every_steps, compression=compression),
+                user=dict(user or {}),
+            )
+        self._manifest = m
+        self.policy: CapturePolicy = m.policy
+        self._declared: dict[Kind, list[str]] = {k: m.tensor_names(k) for k in m.kinds()}
+        self._index: dict[Kind, dict[str, int]] = {
+            k: {n: i for i, n in enumerate(v)} for k, v in self._declared.items()
+        }
+        self._name_order_cache: dict[tuple[Kind, tuple[str, ...]], np.ndarray] = {}
+        self._valid_names: set[str] = set()
+        self._nonfinite_seen: set[tuple[str, str, str]] = {
+            (e.type, str(e.kind), e.tensor or "") for e in m.events
+        }
+        self._row: Row | None = None
+        self._last_sealed: int | None = m.commit.last_step
+        self._closed = False
+        try:
+            self._writer = StoreWriter(
+                self.url,
+                m,
+                self._manifest_copy,
+                flush_every_steps=flush_every_steps,
+                flush_every_seconds=flush_every_seconds,
+                max_pending=max_pending,
+                max_pending_bytes=max_pending_bytes,
+            )
+            if existing is None:
+                self._writer._write_manifest(m.model_copy(deep=True))
+        except Exception as e:
+            raise StoreError(f"cannot write a traintape store at {self.url}: {e}") from e
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def manifest(self) -> Manifest:
+        """A copy of the manifest as recorded so far (not all of it committed yet)."""
+        return self._manifest_copy()
+
+    @property
+    def enabled(self) -> bool:
+        """False once a storage failure disabled capture (or after close)."""
+        return self._writer.error is None and not self._closed
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._writer.error
+
+    def _manifest_copy(self) -> Manifest:
+        """A consistent copy for the writer: new lists, shared (immutable-once-set) specs.
+
+        Cheap on purpose — it runs under ``_lock`` at every commit.
+        """
+        with self._lock:
+            m = self._manifest
+            return m.model_copy(
+                update={
+                    "tensors": [t.model_copy() for t in m.tensors],
+                    "metrics": list(m.metrics),
+                    "events": list(m.events),
+                    "commit": m.commit.model_copy(),
+                    "writer": m.writer.model_copy(),
+                }
+            )
+
+    # ------------------------------------------------------------------ declaration
+    def set_producer(self, **fields: Any) -> None:
+        """Set producer fields (framework, framework_version, adapter) — for adapters."""
+        with self._lock:
+            data = self._manifest.producer.model_dump()
+            data.update(fields)
+            self._manifest.producer = Producer(**data)
+
+    def declare(self, specs: Sequence[TensorSpec]) -> None:
+        """Declare the tensors of one or more kinds with full specs (adapters do this).
+
+        The set of tensors of a kind is fixed by its first declaration (sorted canonical
+        order = the stats array's tensor axis). Re-declaring the same set is a no-op;
+        a different set is an error naming the tensors that differ.
+        """
+        with self._lock:
+            by_kind: dict[Kind, list[TensorSpec]] = {}
+            for s in specs:
+                by_kind.setdefault(Kind(s.kind), []).append(s)
+            for kind, ks in by_kind.items():
+                names = sorted(s.name for s in ks)
+                if len(set(names)) != len(names):
+                    dup = sorted({n for n in names if names.count(n) > 1})
+                    raise RecordError(f"tensors {dup} declared twice for kind {kind.value}")
+                if kind in self._declared:
+                    self._check_same_set(kind, names)
+                    continue
+                check_no_prefix_clash(names)
+                ordered = sorted(ks, key=lambda s: s.name)
+                self._manifest.tensors = sorted(
+                    [*self._manifest.tensors, *ordered],
+                    key=lambda s: (list(Kind).index(s.kind), s.name),
+                )
+                self._declared[kind] = names
+                self._index[kind] = {n: i for i, n in enumerate(names)}
+
+    def _check_same_set(self, kind: Kind, names: Iterable[str]) -> None:
+        got = set(names)
+        want = set(self._declared[kind])
+        if got != want:
+            missing = sorted(want - got)
+            extra = sorted(got - want)
+            raise RecordError(
+                f"kind {kind.value}: the tensor set differs from the declared one"
+                + (f"; missing {missing}" if missing else "")
+                + (f"; not declared {extra}" if extra else "")
+            )
+
+    def _valid(self, name: str) -> str:
+        if name not in self._valid_names:
+            validate_name(name)
+            self._valid_names.add(name)
+        return name
+
+    # ------------------------------------------------------------------ recording
+    def wants(self, step: int, kind: Kind | str) -> bool:
+        """True if ``kind`` is recorded at ``step`` (adapters skip work when False)."""
+        return self.enabled and self.policy.records_kind(kind) and self.policy.captures(step)
+
+    def record(self, step: int, kind: Kind | str, tensors: Mapping[str, ArrayLike]) -> bool:
+        """Record host (numpy) tensors of one kind at optimizer step ``step``.
+
+        Stat vectors are computed here; full snapshots are written when the policy says
+        so. ``tensors`` maps canonical names to arrays in canonical layout; names the
+        policy does not select are skipped. On first use of a kind its tensor set,
+        shapes and dtypes are declared from these arrays (activation batch axis free).
+
+        Returns True if something was recorded (False: policy skipped it or capture is
+        disabled).
+        """
+        kind = Kind(kind)
+        if not self._guard() or not self.wants(step, kind):
+            return False
+        with self._lock:
+            arrays = {
+                self._valid(n): np.asarray(v)
+                for n, v in tensors.items()
+                if self.policy.selects(self._valid(n))
+            }
+            if not arrays:
+                return False
+            if kind not in self._declared:
+                self.declare([_spec_from_array(n, kind, a) for n, a in arrays.items()])
+            else:
+                self._check_same_set(kind, arrays.keys())
+            specs = {s.name: s for s in self._manifest.specs(kind)}
+            for n, a in arrays.items():
+                _check_against_spec(specs[n], a, step)
+            names = self._declared[kind]
+            vecs = S.stat_vectors([arrays[n] for n in names])
+            snaps = {n: arrays[n] for n in names} if self.policy.snapshots(step, kind) else None
+            self._add(step, kind, vecs, snaps, copy=True)
+        self._drain()
+        return True
+
+    def record_stats(
+        self,
+        step: int,
+        kind: Kind | str,
+        stats: Mapping[str, ArrayLike] | ArrayLike,
+        names: Sequence[str] | None = None,
+        snapshots: Mapping[str, ArrayLike] | None = None,
+    ) -> bool:
+        """Record stat vectors already computed on a device.
+
+        Args:
+            stats: a mapping name -> ``[N_STATS]`` vector, or an array ``[n, N_STATS]``
+                whose rows are named by ``names``.
+            snapshots: full tensors (canonical layout) for a full-capture step; the
+                recorder takes ownership of these arrays (do not modify them afterwards).
+        The tensors of ``kind`` must have been declared (:meth:`declare`).
+        """
+        kind = Kind(kind)
+        if not self._guard() or not self.wants(step, kind):
+            return False
+        with self._lock:
+            if kind not in self._declared:
+                raise RecordError(
+                    f"kind {kind.value}: no tensors declared; call Recorder.declare(specs) "
+                    f"first or use Recorder.record(step, kind, arrays)"
+                )
+            if isinstance(stats, Mapping):
+                self._check_same_set(kind, stats.keys())
+                vecs = np.stack(
+                    [np.asarray(stats[n], dtype=np.float64) for n in self._declared[kind]]
+                )
+            else:
+                if names is None:
+                    raise RecordError("record_stats: an array of stats needs `names`")
+                vecs = np.asarray(stats, dtype=np.float64)
+                order = self._order(kind, tuple(names))
+                if vecs.shape != (len(names), N_STATS):
+                    raise RecordError(
+                        f"kind {kind.value}: stats array has shape {vecs.shape}, expected "
+                        f"({len(names)}, {N_STATS})"
+                    )
+                vecs = vecs[order]
+            snaps = None
+            if snapshots is not None and self.policy.snapshots(step, kind):
+                self._check_same_set(kind, snapshots.keys())
+                specs = {s.name: s for s in self._manifest.specs(kind)}
+                snaps = {}
+                for n in self._declared[kind]:
+                    a = np.asarray(snapshots[n])
+                    _check_against_spec(specs[n], a, step)
+                    snaps[n] = a
+            self._add(step, kind, vecs, snaps, copy=False)
+        self._drain()
+        return True
+
+    def _order(self, kind: Kind, names: tuple[str, ...]) -> np.ndarray:
+        key = (kind, names)
+        order = self._name_order_cache.get(key)
+        if order is None:
+            self._check_same_set(kind, names)
+            pos = {n: i for i, n in enumerate(names)}
+            order = np.array([pos[n] for n in self._declared[kind]], dtype=np.intp)
+            self._name_order_cache[key] = order
+        return order
+
+    def log(self, step: int, metrics: Mapping[str, float] | None = None, **kw: float) -> None:
+        """Record scalar metrics (loss, learning rate, ...) at ``step``.
+
+        Names follow the canonical grammar (``train/loss`` is fine). NaN/Inf values are
+        stored and raise an event, never an exception.
+        """
+        if not self._guard():
+            return
+        values = {**(metrics or {}), **kw}
+        with self._lock:
+            row = self._row_for(step)
+            for name, v in values.items():
+                self._valid(name)
+                if name not in self._manifest.metrics:
+                    check_no_prefix_clash([*self._manifest.metrics, name])
+                    self._manifest.metrics = sorted([*self._manifest.metrics, name])
+                fv = float(v)
+                row.metrics[name] = fv
+                if not np.isfinite(fv):
+                    self._nonfinite_event(step, "nan" if np.isnan(fv) else "inf", None, name)
+        self._drain()
+
+    def event(
+        self,
+        step: int,
+        type: str,
+        message: str = "",
+        *,
+        severity: Severity | str = Severity.INFO,
+        tensor: str | None = None,
+        kind: Kind | str | None = None,
+        **data: float | int | str,
+    ) -> None:
+        """Add an event (a note, an anomaly) at ``step``; committed with the next rows."""
+        ev = Event(
+            step=step,
+            type=type,
+            severity=Severity(severity),
+            tensor=tensor,
+            kind=Kind(kind) if kind is not None else None,
+            message=message,
+            data=dict(data),
+        )
+        with self._lock:
+            self._manifest.events.append(ev)
+
+    def _row_for(self, step: int) -> Row:
+        if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
+            raise RecordError(f"step must be a non-negative integer, got {step!r}")
+        step = int(step)
+        row = self._row
+        if row is not None and row.step == step:
+            return row
+        if row is not None and step < row.step:
+            raise RecordError(
+                f"step {step} is before step {row.step}, which is already being recorded; "
+                f"steps must not go backwards"
+            )
+        if row is None and self._last_sealed is not None and step <= self._last_sealed:
+            raise RecordError(
+                f"step {step} is not after the last recorded step {self._last_sealed} "
+                f"of {self.url}; steps must increase (resume continues after it)"
+            )
+        if row is not None:
+            self._seal()
+        self._row = Row(step)
+        return self._row
+
+    def _seal(self) -> None:
+        if self._row is not None:
+            self._last_sealed = self._row.step
+            self._outbox.append(self._row)
+            self._row = None
+
+    def _drain(self) -> None:
+        """Hand sealed rows/snapshots to the writer, outside ``_lock``.
+
+        ``put`` may block on a full queue while the writer thread needs ``_lock`` for
+        the manifest copy it commits, so the hand-over never holds ``_lock``.
+        """
+        with self._put_lock:
+            with self._lock:
+                items, self._outbox = self._outbox, []
+            for item in items:
+                self._writer.put(item)
+
+    def _add(
+        self,
+        step: int,
+        kind: Kind,
+        vecs: np.ndarray,
+        snaps: Mapping[str, np.ndarray] | None,
+        copy: bool,
+    ) -> None:
+        row = self._row_for(step)
+        if kind in row.stats:
+            raise RecordError(f"kind {kind.value} already recorded at step {step}")
+        row.stats[kind] = vecs
+        self._check_nonfinite(step, kind, vecs)
+        if snaps:
+            specs = {s.name: s for s in self._manifest.specs(kind)}
+            owned: dict[str, np.ndarray] = {}
+            for n, a in snaps.items():
+                target = storage_dtype(a.dtype)
+                b = np.array(a, dtype=target, copy=True) if copy or target != a.dtype else a
+                spec = specs[n]
+                if spec.snapshot_shape is None:
+                    spec.snapshot_shape = list(b.shape)
+                elif list(b.shape) != spec.snapshot_shape:
+                    raise RecordError(
+                        f"tensor {n!r} ({kind.value}) at step {step}: snapshot shape "
+                        f"{list(b.shape)} differs from earlier snapshots {spec.snapshot_shape}"
+                    )
+                owned[n] = b
+            self._outbox.append(Snapshot(step, kind, owned))
+
+    def _check_nonfinite(self, step: int, kind: Kind, vecs: np.ndarray) -> None:
+        """Raise an event the first time a tensor holds NaN or Inf (vectorised check)."""
+        nonfinite = vecs[:, 7:9] > 0
+        if not nonfinite.any():
+            return
+        names = self._declared[kind]
+        for col, typ in ((0, "nan"), (1, "inf")):
+            for i in np.flatnonzero(nonfinite[:, col]):
+                self._nonfinite_event(step, typ, kind, names[i], int(vecs[i, 7 + col]))
+
+    def _nonfinite_event(
+        self, step: int, typ: str, kind: Kind | None, name: str, count: int | None = None
+    ) -> None:
+        key = (typ, str(kind), name)
+        if key in self._nonfinite_seen:
+            return
+        self._nonfinite_seen.add(key)
+        what = f"{kind.value} {name!r}" if kind is not None else f"metric {name!r}"
+        data: dict[str, float | int | str] = {"count": count} if count is not None else {}
+        self._manifest.events.append(
+            Event(
+                step=step,
+                type=typ,
+                severity=Severity.ERROR,
+                tensor=name,
+                kind=kind,
+                message=f"first {typ.upper()} in {what} at step {step}",
+                data=data,
+            )
+        )
+
+    def _guard(self) -> bool:
+        if self._closed:
+            raise RecordError(f"recorder for {self.url} is closed")
+        err = self._writer.error
+        if err is not None:
+            if self.strict:
+                raise CaptureDisabledError(f"capture to {self.url} failed: {err}") from err
+            return False
+        return True
+
+    # ------------------------------------------------------------------ lifecycle
+    def flush(self) -> None:
+        """Commit every sealed row and pending snapshot; returns when durable.
+
+        The open step stays open (more data for it may follow); :meth:`close` seals it.
+        """
+        self._drain()
+        self._writer.flush()
+        self._raise_if_strict()
+
+    def close(self) -> None:
+        """Seal the open step, commit everything, trim arrays, mark the run closed."""
+        if self._closed:
+            return
+        with self._lock:
+            if self._writer.error is None:
+                self._seal()
+        self._drain()
+        with self._lock:
+            self._closed = True
+        self._writer.close()
+        self._raise_if_strict()
+
+    def _raise_if_strict(self) -> None:
+        err = self._writer.error
+        if err is not None and self.strict:
+            raise CaptureDisabledError(f"capture to {self.url} failed: {err}") from err
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Recorder({self.url!r}, rows={self._writer.rows_committed})"
+
+
+def _spec_from_array(name: str, kind: Kind, a: np.ndarray) -> TensorSpec:
+    layer, role = split_name(name)
+    shape: list[int | None] = list(a.shape)
+    if kind == Kind.ACTIVATION and shape:
+        shape[0] = None
+    return TensorSpec(name=name, kind=kind, role=role, layer=layer, dtype=a.dtype.name, shape=shape)
+
+
+def _check_against_spec(spec: TensorSpec, a: np.ndarray, step: int) -> None:
+    if a.dtype.name != spec.dtype:
+        raise RecordError(
+            f"tensor {spec.name!r} ({spec.kind.value}) at step {step}: dtype {a.dtype.name}, "
+            f"expected {spec.dtype}"
+        )
+    ok = len(a.shape) == len(spec.shape) and all(
+        d is None or d == s for d, s in zip(spec.shape, a.shape, strict=False)
+    )
+    if not ok:
+        raise RecordError(
+            f"tensor {spec.name!r} ({spec.kind.value}) at step {step}: shape {list(a.shape)}, "
+            f"expected {spec.shape}"
+        )
+
+
+def read_manifest(url: str) -> Manifest:
+    """Read and validate the manifest of the store at ``url`` (raises NotAStoreError)."""
+    kv = KvStore(url)
+    try:
+        doc = kv.read_json("zarr.json")
+    except Exception as e:
+        raise NotAStoreError(f"{url}: cannot read zarr.json: {e}") from e
+    if not isinstance(doc, dict) or MANIFEST_ATTR not in doc.get("attributes", {}):
+        raise NotAStoreError(f"{url} is not a traintape store (no traintape manifest in zarr.json)")
+    raw = doc["attributes"][MANIFEST_ATTR]
+    check_readable(str(raw.get("schema_version", "0.0.0")))
+    try:
+        return Manifest.model_validate(raw)
+    except ValidationError as e:
+        raise NotAStoreError(f"{url}: manifest does not match schema: {e}") from e
+
+
+def _prepare_location(url: str) -> Manifest | None:
+    """Check the location before training starts; return the manifest if resuming."""
+    path = local_path(url)
+    if path is not None:
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise StoreError(f"{path} exists and is not a directory")
+        parent = os.path.dirname(path.rstrip("/")) or "/"
+        probe = parent
+        while not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+        if not os.path.isdir(probe):
+            raise StoreError(f"cannot create a store at {path}: {probe} is not a directory")
+        if not os.access(probe, os.W_OK):
+            raise StoreError(f"cannot create a store at {path}: {probe} is not writable")
+        if os.path.isdir(path) and os.listdir(path):
+            if not os.path.exists(os.path.join(path, "zarr.json")):
+                found = sorted(os.listdir(path))[:5]
+                raise StoreError(
+                    f"{path} is not empty and is not a traintape store (found {found}); "
+                    f"choose an empty or new directory"
+                )
+            return read_manifest(url)
+        return None
+    kv = KvStore(url)
+    if kv.read_bytes("zarr.json") is not None:
+        return read_manifest(url)
+    keys = kv.list()
+    if keys:
+        raise StoreError(f"{url} is not empty and is not a traintape store (found {keys[:5]})")
+    return None

@@ -1,0 +1,239 @@
+"""Store validation: is this a complete, uncorrupted traintape store?
+
+Checks, in order: the manifest parses and its schema version is readable; every array
+the manifest implies exists with the declared shape, dtype and chunking; steps are
+strictly increasing and agree with the commit mark; every chunk in the committed range
+passes its crc32c checksum (TensorStore verifies it on decode); snapshot steps are
+recorded steps; no array exists that the manifest does not account for (orphans).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from traintape.core import layout as L
+from traintape.core.errors import NotAStoreError
+from traintape.core.kvstore import CONTEXT, KvStore, join, local_path, normalize_url
+from traintape.core.recorder import read_manifest, storage_dtype
+from traintape.schema import N_STATS, Kind, Manifest, SchemaVersionError
+
+
+@dataclass
+class ValidationReport:
+    """Result of :func:`validate`: ``ok`` and one human-readable line per problem."""
+
+    url: str
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    manifest: Manifest | None = None
+    arrays_checked: int = 0
+    chunks_checked: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def validate(url: str | os.PathLike[str]) -> ValidationReport:
+    """Validate the store at ``url``; never raises for a bad store, reports instead."""
+    u = normalize_url(url)
+    report = ValidationReport(u)
+    path = local_path(u)
+    if path is not None and not os.path.isdir(path):
+        report.problems.append(f"{path}: no such directory")
+        return report
+    try:
+        m = read_manifest(u)
+    except (NotAStoreError, SchemaVersionError) as e:
+        report.problems.append(str(e))
+        return report
+    report.manifest = m
+    _Checker(u, m, report).run()
+    return report
+
+
+class _Checker:
+    def __init__(self, url: str, m: Manifest, report: ValidationReport) -> None:
+        self.url = url
+        self.m = m
+        self.r = report
+        self.kv = KvStore(url)
+
+    def problem(self, msg: str) -> None:
+        self.r.problems.append(msg)
+
+    def open(self, path: str) -> ts.TensorStore | None:
+        try:
+            return ts.open(
+                {"driver": "zarr3", "kvstore": join(self.url, path)},
+                open=True,
+                read=True,
+                context=CONTEXT,
+            ).result()
+        except Exception as e:
+            self.problem(f"array {path}: missing or unreadable ({_short(e)})")
+            return None
+
+    def run(self) -> None:
+        m = self.m
+        rows = m.commit.rows
+        expected: dict[str, tuple[str, tuple[int | None, ...], list[int] | None]] = {}
+        if rows or m.tensors or m.metrics:
+            expected[L.STEPS] = ("int64", (None,), [m.layout.row_chunk])
+        for kind in m.kinds():
+            n = len(m.specs(kind))
+            expected[L.stats_path(kind)] = (
+                "float64",
+                (None, n, N_STATS),
+                [m.layout.row_chunk, n, N_STATS],
+            )
+        for name in m.metrics:
+            expected[L.metric_path(name)] = ("float64", (None,), [m.layout.row_chunk])
+        snap_kinds = {k: c for k, c in m.commit.snapshots.items() if c > 0}
+        for kind in snap_kinds:
+            expected[L.snapshot_steps_path(kind)] = ("int64", (None,), None)
+            for spec in m.specs(kind):
+                shape = spec.snapshot_shape or spec.shape
+                dt = (
+                    storage_dtype(np.dtype(spec.dtype)).name
+                    if spec.dtype != "bfloat16"
+                    else "float32"
+                )
+                expected[L.snapshot_path(kind, spec.name)] = (dt, (None, *shape), None)
+
+        arrays: dict[str, ts.TensorStore] = {}
+        for path, (dtype, shape, chunks) in expected.items():
+            arr = self.open(path)
+            if arr is None:
+                continue
+            arrays[path] = arr
+            self.r.arrays_checked += 1
+            if arr.dtype.name != dtype:
+                self.problem(f"array {path}: dtype {arr.dtype.name}, declared {dtype}")
+            got = tuple(arr.shape)
+            if len(got) != len(shape) or any(
+                s is not None and g != s for g, s in zip(got[1:], shape[1:], strict=False)
+            ):
+                self.problem(f"array {path}: shape {list(got)}, declared {list(shape)}")
+            need = rows if not path.startswith(("snapshot", "snapshots")) else None
+            if need is None:
+                kind = Kind(path.split("/")[1])
+                need = snap_kinds.get(kind, 0)
+            if got and got[0] < need:
+                self.problem(f"array {path}: {got[0]} rows on disk, commit mark says {need}")
+            if chunks is not None:
+                cs = list(arr.chunk_layout.read_chunk.shape)
+                if cs != chunks:
+                    self.problem(f"array {path}: chunk shape {cs}, declared {chunks}")
+
+        self.check_steps(arrays.get(L.STEPS))
+        for path, arr in arrays.items():
+            need = rows
+            if path.startswith(L.SNAPSHOT_STEPS) or path.startswith(L.SNAPSHOTS + "/"):
+                need = snap_kinds.get(Kind(path.split("/")[1]), 0)
+            self.check_chunks(path, arr, min(need, arr.shape[0]))
+        for kind in snap_kinds:
+            arr = arrays.get(L.snapshot_steps_path(kind))
+            if arr is not None and L.STEPS in arrays:
+                self.check_snapshot_steps(kind, arr)
+        self.check_orphans(set(expected))
+
+    def check_steps(self, arr: ts.TensorStore | None) -> None:
+        rows = self.m.commit.rows
+        if arr is None or rows == 0:
+            if rows == 0 and self.m.commit.last_step is not None:
+                self.problem(f"commit mark: 0 rows but last_step {self.m.commit.last_step}")
+            return
+        try:
+            steps = np.asarray(arr[:rows].read().result())
+        except Exception as e:
+            self.problem(f"array steps: unreadable ({_short(e)})")
+            return
+        if (steps < 0).any():
+            i = int(np.flatnonzero(steps < 0)[0])
+            self.problem(f"array steps: row {i} has negative step {int(steps[i])}")
+        bad = np.flatnonzero(np.diff(steps) <= 0)
+        if bad.size:
+            i = int(bad[0]) + 1
+            self.problem(
+                f"array steps: not strictly increasing at row {i} "
+                f"(step {int(steps[i - 1])} then {int(steps[i])})"
+            )
+        if int(steps[-1]) != self.m.commit.last_step:
+            self.problem(
+                f"commit mark: last_step {self.m.commit.last_step} but row {rows - 1} "
+                f"holds step {int(steps[-1])}"
+            )
+        self._steps = steps
+
+    def check_snapshot_steps(self, kind: Kind, arr: ts.TensorStore) -> None:
+        n = self.m.commit.snapshots.get(kind, 0)
+        steps = getattr(self, "_steps", None)
+        if steps is None:
+            return
+        try:
+            s = np.asarray(arr[:n].read().result())
+        except Exception:
+            return  # reported by check_chunks
+        missing = sorted(set(s.tolist()) - set(steps.tolist()))
+        if missing:
+            self.problem(f"array {L.snapshot_steps_path(kind)}: steps {missing[:5]} have no row")
+        if np.any(np.diff(s) <= 0):
+            self.problem(f"array {L.snapshot_steps_path(kind)}: not strictly increasing")
+
+    def check_chunks(self, path: str, arr: ts.TensorStore, n: int) -> None:
+        """Read every chunk of the first ``n`` entries: crc32c is verified on decode."""
+        if n <= 0:
+            return
+        chunk = list(arr.chunk_layout.write_chunk.shape)
+        grids = [range(0, n, chunk[0])] + [
+            range(0, s, c) for s, c in zip(arr.shape[1:], chunk[1:], strict=True)
+        ]
+        for origin in itertools.product(*grids):
+            sel = tuple(
+                slice(o, min(o + c, (n if i == 0 else arr.shape[i])))
+                for i, (o, c) in enumerate(zip(origin, chunk, strict=True))
+            )
+            self.r.chunks_checked += 1
+            try:
+                arr[sel].read().result()
+            except Exception as e:
+                self.problem(
+                    f"array {path}: chunk at {list(origin)} failed to decode ({_short(e)})"
+                )
+
+    def check_orphans(self, expected: set[str]) -> None:
+        groups = L.parent_groups(list(expected))
+        try:
+            keys = self.kv.list()
+        except Exception as e:
+            self.problem(f"cannot list store keys: {_short(e)}")
+            return
+        nodes = {k[: -len("/zarr.json")] for k in keys if k.endswith("/zarr.json")}
+        for node in sorted(nodes - expected - groups):
+            if any(node.startswith(e + "/") for e in expected):
+                continue
+            if L.is_layout_path(node):
+                self.r.notes.append(
+                    f"{node}: written but never committed (e.g. before a crash); "
+                    f"ignored by readers, replaced on resume"
+                )
+            else:
+                self.problem(f"orphan node {node}: not declared in the manifest")
+        for g in sorted(groups - {""}):
+            if g not in nodes:
+                self.problem(f"group {g}: zarr.json missing (plain Zarr readers will not find it)")
+
+
+def _short(e: Any) -> str:
+    s = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return s[:200]

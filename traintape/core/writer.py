@@ -1,0 +1,436 @@
+"""The asynchronous store writer: a bounded queue, a background thread, commit marks.
+
+The training thread hands finished rows and snapshots to :class:`StoreWriter` through
+a bounded queue (it waits only when the queue is full; those stalls are counted in the
+manifest). The writer thread buffers rows and, every ``flush_every_steps`` rows or
+``flush_every_seconds`` seconds (and on flush/close), writes each row-axis array once
+for the whole block, issues snapshot writes as they arrive, waits until every write is
+durable, and only then rewrites the manifest with the new commit mark — atomically, as
+a single kvstore write of the root ``zarr.json``. A process killed at any instant
+therefore leaves a store whose manifest describes only durable data.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from traintape.core import layout as L
+from traintape.core.kvstore import CONTEXT, KvStore, join
+from traintape.schema import MANIFEST_ATTR, N_STATS, CommitMark, Kind, Manifest
+
+log = logging.getLogger("traintape")
+
+
+@dataclass
+class Row:
+    """One recorded step: stat vectors per kind (manifest order) and scalar metrics."""
+
+    step: int
+    stats: dict[Kind, np.ndarray] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Snapshot:
+    """Full tensors of one kind at one step, in canonical layout (owned by the writer)."""
+
+    step: int
+    kind: Kind
+    tensors: dict[str, np.ndarray]
+
+
+@dataclass
+class _Control:
+    op: str  # "flush" | "close"
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class StoreWriter:
+    """Background writer of one run store. Create through :class:`~traintape.Recorder`."""
+
+    def __init__(
+        self,
+        url: str,
+        manifest: Manifest,
+        manifest_copy: Callable[[], Manifest],
+        *,
+        flush_every_steps: int,
+        flush_every_seconds: float,
+        max_pending: int,
+        max_pending_bytes: int = 1 << 30,
+    ) -> None:
+        self.url = url
+        self.kv = KvStore(url)
+        self.layout = manifest.layout
+        self._manifest_copy = manifest_copy
+        self.flush_every_steps = flush_every_steps
+        self.flush_every_seconds = flush_every_seconds
+        self._queue: queue.Queue[Row | Snapshot | _Control] = queue.Queue(maxsize=max_pending)
+        self.max_pending_bytes = max_pending_bytes
+        self._bytes_cond = threading.Condition()
+        self._pending_bytes = 0  # snapshot bytes handed over and not yet durable
+        self._written_bytes = 0  # of those, issued to TensorStore since the last commit
+        self._rows: list[Row] = []
+        self._deferred: list[_Control] = []
+        self._pending: list[ts.WriteFutures | ts.Future[Any]] = []
+        self._arrays: dict[str, ts.TensorStore] = {}
+        self._groups_written: set[str] = {""}
+        self._committed_paths = L.committed_paths(manifest)
+        commit = manifest.commit
+        self.rows_committed = commit.rows
+        self.last_step = commit.last_step
+        self.sequence = commit.sequence
+        # snapshot bookkeeping per kind: steps written (committed ones first)
+        self._snap_steps: dict[Kind, list[int]] = {}
+        self._snap_capacity: dict[Kind, int] = {}
+        self._row_capacity = 0
+        self._writer_stats = manifest.writer.model_copy()
+        self._stats_lock = threading.Lock()
+        self._last_commit = time.monotonic()
+        self.error: BaseException | None = None
+        self._last_good: Manifest = manifest.model_copy(deep=True)
+        self._open_existing(manifest)
+        self._thread = threading.Thread(target=self._run, name="traintape-writer", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ training thread
+    def put(self, item: Row | Snapshot) -> None:
+        """Enqueue an item; blocks (a counted stall) only if the queue is full."""
+        if self.error is not None:
+            return
+        t0 = time.perf_counter()
+        stalled = False
+        if isinstance(item, Snapshot):
+            nbytes = sum(a.nbytes for a in item.tensors.values())
+            with self._bytes_cond:
+                while (
+                    self._pending_bytes > 0
+                    and self._pending_bytes + nbytes > self.max_pending_bytes
+                    and self.error is None
+                ):
+                    stalled = True
+                    self._bytes_cond.wait(0.1)
+                self._pending_bytes += nbytes
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            stalled = True
+            self._queue.put(item)
+        if stalled:
+            with self._stats_lock:
+                self._writer_stats.stalls += 1
+                self._writer_stats.stall_seconds += time.perf_counter() - t0
+
+    def _release_bytes(self, everything: bool = False) -> None:
+        """Snapshots written by this commit are durable: let the training thread on."""
+        with self._bytes_cond:
+            self._pending_bytes = 0 if everything else self._pending_bytes - self._written_bytes
+            self._written_bytes = 0
+            self._bytes_cond.notify_all()
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Commit everything enqueued so far; returns when it is durable (or failed)."""
+        self._control("flush", timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Commit everything, trim arrays to their committed size, mark the run closed."""
+        if self._thread.is_alive():
+            self._control("close", timeout)
+            self._thread.join(timeout)
+
+    def _control(self, op: str, timeout: float | None) -> None:
+        if not self._thread.is_alive():
+            return
+        c = _Control(op)
+        self._queue.put(c)
+        c.done.wait(timeout)
+
+    # ------------------------------------------------------------------ writer thread
+    def _run(self) -> None:
+        while True:
+            dirty = bool(self._rows or self._pending)
+            timeout = (
+                max(0.0, self._last_commit + self.flush_every_seconds - time.monotonic())
+                if dirty
+                else None
+            )
+            try:
+                item = self._deferred.pop(0) if self._deferred else self._queue.get(timeout=timeout)
+            except queue.Empty:
+                self._guarded(self._commit)
+                continue
+            if isinstance(item, _Control):
+                if item.op == "close":
+                    self._guarded(lambda: self._commit(final=True))
+                    item.done.set()
+                    return
+                self._guarded(self._commit)
+                item.done.set()
+                continue
+            if self.error is not None:
+                continue  # capture is disabled: drain without writing
+            if isinstance(item, Row):
+                self._rows.append(item)
+                if len(self._rows) >= self.flush_every_steps:
+                    self._take_backlog()
+                    self._guarded(self._commit)
+            else:
+                self._guarded(lambda item=item: self._write_snapshot(item))
+                if self._written_bytes >= self.max_pending_bytes // 2:
+                    self._guarded(self._commit)  # make them durable: frees the byte budget
+
+    def _take_backlog(self) -> None:
+        """Before a commit, take rows already waiting so one commit (one fsync round)
+        covers a backlog instead of the training thread stalling behind many commits."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, Row):
+                self._rows.append(item)
+            elif isinstance(item, Snapshot):
+                self._guarded(lambda item=item: self._write_snapshot(item))
+            else:  # a control message: put it back in front by handling after commit
+                self._deferred.append(item)
+                return
+
+    def _guarded(self, fn: Callable[[], None]) -> None:
+        if self.error is not None:
+            return
+        try:
+            fn()
+        except BaseException as e:
+            self._fail(e)
+
+    def _fail(self, e: BaseException) -> None:
+        self.error = e
+        self._rows.clear()
+        self._pending.clear()
+        self._release_bytes(everything=True)
+        msg = (
+            f"traintape: storage failure writing {self.url}: {type(e).__name__}: {e}. "
+            f"Capture is DISABLED for the rest of this run; the {self.rows_committed} rows "
+            f"committed so far stay readable."
+        )
+        log.error(msg)
+        print(msg, file=sys.stderr, flush=True)
+        # Best effort: say so in the manifest, keeping the last good commit mark.
+        try:
+            m = self._last_good.model_copy(deep=True)
+            m.status = "failed"
+            m.writer = self.writer_stats()
+            m.writer.disabled = True
+            m.writer.error = f"{type(e).__name__}: {e}"
+            self._write_manifest(m)
+        except Exception:
+            pass
+
+    def writer_stats(self) -> Any:
+        with self._stats_lock:
+            return self._writer_stats.model_copy()
+
+    # ------------------------------------------------------------------ arrays
+    def _open_existing(self, manifest: Manifest) -> None:
+        """On resume, learn the capacity of existing arrays and committed snapshot steps."""
+        if manifest.commit.rows == 0 and not manifest.tensors and not manifest.metrics:
+            return
+        steps = self._open(L.STEPS)
+        self._row_capacity = steps.shape[0]
+        for kind, count in manifest.commit.snapshots.items():
+            arr = self._open(L.snapshot_steps_path(kind))
+            self._snap_steps[kind] = [int(s) for s in arr[:count].read().result()]
+            self._snap_capacity[kind] = arr.shape[0]
+
+    def _open(self, path: str) -> ts.TensorStore:
+        arr = self._arrays.get(path)
+        if arr is None:
+            arr = ts.open(
+                {"driver": "zarr3", "kvstore": join(self.url, path)},
+                open=True,
+                context=CONTEXT,
+            ).result()
+            self._arrays[path] = arr
+        return arr
+
+    def _create(self, path: str, metadata: dict[str, Any]) -> ts.TensorStore:
+        self._ensure_groups(path)
+        arr = ts.open(
+            {"driver": "zarr3", "kvstore": join(self.url, path), "metadata": metadata},
+            create=True,
+            delete_existing=True,
+            context=CONTEXT,
+        ).result()
+        self._arrays[path] = arr
+        return arr
+
+    def _exists(self, path: str) -> bool:
+        """Known array: created by this writer or vouched for by the committed manifest.
+
+        Arrays at other paths are leftovers of writes that never committed (a crash):
+        they are recreated, never reused.
+        """
+        return path in self._arrays or path in self._committed_paths
+
+    def _ensure_groups(self, path: str) -> None:
+        for g in sorted(L.parent_groups([path]) - self._groups_written):
+            if g and self.kv.read_bytes(f"{g}/zarr.json") is None:
+                self.kv.write_json(f"{g}/zarr.json", L.group_metadata())
+            self._groups_written.add(g)
+
+    def _row_arrays(self, m: Manifest) -> dict[str, dict[str, Any]]:
+        """Every row-axis array the manifest needs, with its metadata at current capacity."""
+        cap = self._row_capacity
+        arrays = {L.STEPS: L.row_array_metadata(self.layout, cap, (), "int64", ["row"])}
+        for kind in m.kinds():
+            arrays[L.stats_path(kind)] = L.stats_metadata(
+                self.layout, kind.value, cap, len(m.specs(kind))
+            )
+        for name in m.metrics:
+            arrays[L.metric_path(name)] = L.row_array_metadata(
+                self.layout, cap, (), "float64", ["row"]
+            )
+        return arrays
+
+    def _ensure_rows(self, m: Manifest, rows: int) -> None:
+        if rows > self._row_capacity:
+            block = self.layout.row_block
+            new_cap = -(-rows // block) * block
+            for path in self._row_arrays(m):
+                if self._exists(path):
+                    arr = self._open(path)
+                    self._arrays[path] = arr.resize(
+                        exclusive_max=[new_cap, *arr.shape[1:]], expand_only=True
+                    ).result()
+            self._row_capacity = new_cap
+        for path, meta in self._row_arrays(m).items():
+            if not self._exists(path):
+                self._create(path, meta)
+
+    # ------------------------------------------------------------------ writes
+    def _write_snapshot(self, snap: Snapshot) -> None:
+        kind = snap.kind
+        steps = self._snap_steps.setdefault(kind, [])
+        index = len(steps)
+        cap = self._snap_capacity.get(kind, 0)
+        grow = index >= cap
+        new_cap = cap + L.SNAPSHOT_BLOCK if grow else cap
+        sp = L.snapshot_steps_path(kind)
+        if not self._exists(sp):
+            self._create(
+                sp,
+                L.row_array_metadata(self.layout, new_cap, (), "int64", [f"snapshot_{kind.value}"]),
+            )
+        elif grow:
+            self._arrays[sp] = self._open(sp).resize(exclusive_max=[new_cap]).result()
+        for name, value in snap.tensors.items():
+            path = L.snapshot_path(kind, name)
+            if not self._exists(path):
+                self._create(
+                    path,
+                    L.snapshot_metadata(self.layout, name, new_cap, value.shape, value.dtype.name),
+                )
+            elif grow or self._open(path).shape[0] < new_cap:
+                arr = self._open(path)
+                self._arrays[path] = arr.resize(
+                    exclusive_max=[new_cap, *arr.shape[1:]], expand_only=True
+                ).result()
+            self._pending.append(self._arrays[path][index].write(value))
+            self._written_bytes += value.nbytes
+        self._pending.append(self._arrays[sp][index].write(np.int64(snap.step)))
+        self._snap_capacity[kind] = new_cap
+        steps.append(snap.step)
+
+    def _commit(self, final: bool = False) -> None:
+        m = self._manifest_copy()
+        rows = self._rows
+        r0 = self.rows_committed
+        r1 = r0 + len(rows)
+        self._ensure_rows(m, r1)
+        futures = list(self._pending)
+        if rows:
+            sl = slice(r0, r1)
+            steps = np.fromiter((r.step for r in rows), dtype=np.int64, count=len(rows))
+            futures.append(self._open(L.STEPS)[sl].write(steps))
+            for kind in m.kinds():
+                n = len(m.specs(kind))
+                block = np.full((len(rows), n, N_STATS), np.nan)
+                for i, r in enumerate(rows):
+                    v = r.stats.get(kind)
+                    if v is not None:
+                        block[i] = v
+                futures.append(self._open(L.stats_path(kind))[sl].write(block))
+            for name in m.metrics:
+                col = np.fromiter(
+                    (r.metrics.get(name, np.nan) for r in rows), dtype=np.float64, count=len(rows)
+                )
+                futures.append(self._open(L.metric_path(name))[sl].write(col))
+        for f in futures:
+            f.result()  # durable (file kvstore fsyncs) before the commit mark moves
+        self._pending.clear()
+        self._release_bytes()
+        self._rows = []
+        last_step = rows[-1].step if rows else self.last_step
+        if final:
+            self._trim(m, r1, last_step)
+        self.rows_committed = r1
+        self.last_step = last_step
+        self.sequence += 1
+        committed_snaps = {
+            kind: bisect.bisect_right(steps_, last_step if last_step is not None else -1)
+            for kind, steps_ in self._snap_steps.items()
+        }
+        m.commit = CommitMark(
+            rows=r1, snapshots=committed_snaps, last_step=last_step, sequence=self.sequence
+        )
+        with self._stats_lock:
+            self._writer_stats.commits += 1
+        m.writer = self.writer_stats()
+        if final:
+            m.status = "closed"
+        self._write_manifest(m)
+        self._last_good = m
+        self._last_commit = time.monotonic()
+
+    def _trim(self, m: Manifest, rows: int, last: int | None) -> None:
+        """Shrink arrays to exactly what is committed, so plain Zarr readers see no padding."""
+        for path in self._row_arrays(m):
+            if self._exists(path):
+                arr = self._open(path)
+                if arr.shape[0] != rows:
+                    self._arrays[path] = arr.resize(
+                        exclusive_max=[rows, *arr.shape[1:]], shrink_only=True
+                    ).result()
+        self._row_capacity = rows
+        for kind, steps_ in self._snap_steps.items():
+            count = bisect.bisect_right(steps_, last if last is not None else -1)
+            del steps_[count:]
+            paths = [L.snapshot_steps_path(kind)] + [
+                L.snapshot_path(kind, s.name) for s in m.specs(kind)
+            ]
+            for path in paths:
+                if self._exists(path):
+                    arr = self._open(path)
+                    if arr.shape[0] != count:
+                        self._arrays[path] = arr.resize(
+                            exclusive_max=[count, *arr.shape[1:]], shrink_only=True
+                        ).result()
+            self._snap_capacity[kind] = count
+
+    def _write_manifest(self, m: Manifest) -> None:
+        from datetime import UTC, datetime
+
+        m.updated_at = datetime.now(UTC)
+        doc = L.group_metadata({MANIFEST_ATTR: m.model_dump(mode="json")})
+        self.kv.write_json("zarr.json", doc)

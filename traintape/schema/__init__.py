@@ -1,0 +1,62 @@
+"""traintape.schema — versioned, framework-free data models of a run store.
+
+Pure data and validation; imports nothing else from traintape.
+"""
+
+from traintape.schema.manifest import (
+    MANIFEST_ATTR,
+    CommitMark,
+    Event,
+    Manifest,
+    Producer,
+    Severity,
+    StoreLayout,
+    TensorSpec,
+    WriterStats,
+    manifest_json_schema,
+    manifest_json_schema_text,
+)
+from traintape.schema.names import (
+    CanonicalName,
+    InvalidNameError,
+    check_no_prefix_clash,
+    split_name,
+    validate_name,
+)
+from traintape.schema.policy import ALL_KINDS, CapturePolicy, Kind
+from traintape.schema.stats import N_STATS, STAT_INDEX, STAT_NAMES
+from traintape.schema.version import (
+    READABLE_MAJORS,
+    SCHEMA_VERSION,
+    SchemaVersionError,
+    check_readable,
+)
+
+__all__ = [
+    "ALL_KINDS",
+    "MANIFEST_ATTR",
+    "N_STATS",
+    "READABLE_MAJORS",
+    "SCHEMA_VERSION",
+    "STAT_INDEX",
+    "STAT_NAMES",
+    "CanonicalName",
+    "CapturePolicy",
+    "CommitMark",
+    "Event",
+    "InvalidNameError",
+    "Kind",
+    "Manifest",
+    "Producer",
+    "SchemaVersionError",
+    "Severity",
+    "StoreLayout",
+    "TensorSpec",
+    "WriterStats",
+    "check_no_prefix_clash",
+    "check_readable",
+    "manifest_json_schema",
+    "manifest_json_schema_text",
+    "split_name",
+    "validate_name",
+]

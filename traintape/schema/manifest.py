@@ -1,0 +1,248 @@
+"""The run manifest: the single source of truth for what a store holds.
+
+The manifest lives in the attributes of the store's root ``zarr.json`` under the key
+``"traintape"``, so plain Zarr readers see it too. It is rewritten atomically at every
+commit; everything it declares up to its :class:`CommitMark` is durable.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from traintape.schema.names import CanonicalName, check_no_prefix_clash, split_name
+from traintape.schema.policy import CapturePolicy, Kind
+from traintape.schema.stats import STAT_NAMES
+from traintape.schema.version import SCHEMA_VERSION, parse_version
+
+MANIFEST_ATTR = "traintape"
+"""Key of the manifest inside the root group's ``attributes``."""
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Producer(_Model):
+    """Who wrote the store. Excluded when comparing stores across frameworks."""
+
+    framework: str | None = Field(None, description="'jax', 'torch', 'tensorflow' or None")
+    framework_version: str | None = None
+    adapter: str | None = Field(None, description="adapter entry point, e.g. 'traintape.jax'")
+    traintape_version: str
+    python_version: str
+    hostname: str | None = None
+
+
+class StoreLayout(_Model):
+    """Physical layout choices (chunking, compression); readers need not care."""
+
+    row_chunk: int = Field(64, ge=1, description="rows per chunk of steps/stats/metrics arrays")
+    row_block: int = Field(1024, ge=1, description="row axis grows by this many rows")
+    snapshot_chunk_bytes: int = Field(
+        128 << 10, ge=1024, description="target size of a snapshot's inner chunk"
+    )
+    compression: Literal["none", "zstd", "blosc"] = "none"
+    stats_dtype: Literal["float64"] = "float64"
+    bfloat16_storage: Literal["float32"] = Field(
+        "float32",
+        description="bfloat16 tensors are widened (losslessly) to float32 on disk, because "
+        "zarr-python has no bfloat16 dtype; the spec keeps dtype='bfloat16'",
+    )
+
+
+class TensorSpec(_Model):
+    """One recorded tensor of one kind.
+
+    ``shape`` is the canonical shape (after ``permutation``). For activations the
+    leading (batch) axis is ``None``: stat vectors are taken over the whole batch,
+    and snapshots (probe batch) fix it per snapshot array.
+    """
+
+    name: CanonicalName
+    kind: Kind
+    role: str = Field(description="leaf role: kernel, bias, scale, embedding, running_mean, ...")
+    layer: str = Field("", description="module path of the owning layer ('' at the root)")
+    layer_kind: str | None = Field(
+        None, description="canonical layer type: dense, conv, embedding, layer_norm, ..."
+    )
+    dtype: str = Field(description="numpy dtype name of the canonical tensor, e.g. 'float32'")
+    shape: list[int | None]
+    source_name: str | None = Field(None, description="the framework's own name")
+    source_shape: list[int | None] | None = Field(None, description="the framework's layout")
+    permutation: list[int] | None = Field(
+        None,
+        description="canonical = source.transpose(permutation); None means identity",
+    )
+    aliases: list[str] = Field(default_factory=list, description="other names (tied weights)")
+    snapshot_shape: list[int] | None = Field(
+        None, description="shape of each full snapshot (activations: the probe batch's shape)"
+    )
+
+    @property
+    def numel(self) -> int | None:
+        """Element count, or None when an axis (activation batch) varies."""
+        n = 1
+        for d in self.shape:
+            if d is None:
+                return None
+            n *= d
+        return n
+
+    @model_validator(mode="after")
+    def _check(self) -> TensorSpec:
+        layer, role = split_name(self.name)
+        if self.role != role:
+            raise ValueError(
+                f"tensor {self.name!r}: role {self.role!r} differs from the name's leaf {role!r}"
+            )
+        if self.layer != layer:
+            raise ValueError(
+                f"tensor {self.name!r}: layer {self.layer!r} differs from the name's path {layer!r}"
+            )
+        if self.permutation is not None:
+            if sorted(self.permutation) != list(range(len(self.shape))):
+                raise ValueError(
+                    f"tensor {self.name!r}: permutation {self.permutation} is not a permutation "
+                    f"of {len(self.shape)} axes"
+                )
+            if self.source_shape is not None and [
+                self.source_shape[i] for i in self.permutation
+            ] != list(self.shape):
+                raise ValueError(
+                    f"tensor {self.name!r}: source_shape {self.source_shape} permuted by "
+                    f"{self.permutation} is not shape {self.shape}"
+                )
+        return self
+
+
+class Severity(StrEnum):
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+
+class Event(_Model):
+    """Something noticed at write time (NaN/Inf first seen, a note from the user)."""
+
+    step: int = Field(ge=0)
+    type: str = Field(description="'nan', 'inf', 'note', 'capture_disabled', ...")
+    severity: Severity = Severity.INFO
+    tensor: str | None = None
+    kind: Kind | None = None
+    message: str = ""
+    data: dict[str, float | int | str] = Field(default_factory=dict)
+
+
+class CommitMark(_Model):
+    """How much of the store is complete. Readers never look past it."""
+
+    rows: int = Field(0, ge=0, description="number of complete rows in steps/stats/metrics")
+    snapshots: dict[Kind, int] = Field(
+        default_factory=dict, description="complete snapshots per kind"
+    )
+    last_step: int | None = Field(None, description="step of the last committed row")
+    sequence: int = Field(0, ge=0, description="incremented at every commit")
+
+
+class WriterStats(_Model):
+    """How the asynchronous writer fared; stalls are time the training thread waited."""
+
+    stalls: int = 0
+    stall_seconds: float = 0.0
+    commits: int = 0
+    disabled: bool = False
+    error: str | None = None
+
+
+class Manifest(_Model):
+    """Schema v1 run manifest."""
+
+    format: Literal["traintape"] = "traintape"
+    schema_version: str = SCHEMA_VERSION
+    run_id: str
+    created_at: datetime = Field(default_factory=_now)
+    updated_at: datetime = Field(default_factory=_now)
+    status: Literal["open", "closed", "failed"] = "open"
+    producer: Producer
+    policy: CapturePolicy = Field(default_factory=CapturePolicy)
+    stat_names: list[str] = Field(default_factory=lambda: list(STAT_NAMES))
+    layout: StoreLayout = Field(default_factory=StoreLayout)
+    tensors: list[TensorSpec] = Field(
+        default_factory=list,
+        description="ordered by (kind, name); per kind, the order of the stats tensor axis",
+    )
+    metrics: list[CanonicalName] = Field(default_factory=list)
+    events: list[Event] = Field(default_factory=list)
+    commit: CommitMark = Field(default_factory=CommitMark)
+    writer: WriterStats = Field(default_factory=WriterStats)
+    user: dict[str, Any] = Field(default_factory=dict, description="free-form run metadata")
+
+    @field_validator("schema_version")
+    @classmethod
+    def _version(cls, v: str) -> str:
+        parse_version(v)
+        return v
+
+    @field_validator("stat_names")
+    @classmethod
+    def _stats(cls, v: list[str]) -> list[str]:
+        if tuple(v) != STAT_NAMES:
+            raise ValueError(f"stat_names {v} differ from schema v1 stat vector {list(STAT_NAMES)}")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> Manifest:
+        seen: set[tuple[Kind, str]] = set()
+        for spec in self.tensors:
+            key = (spec.kind, spec.name)
+            if key in seen:
+                raise ValueError(f"tensor {spec.name!r} of kind {spec.kind} declared twice")
+            seen.add(key)
+        for kind in Kind:
+            names = self.tensor_names(kind)
+            if names != sorted(names):
+                raise ValueError(f"tensors of kind {kind} are not in sorted canonical order")
+            check_no_prefix_clash(names)
+        check_no_prefix_clash(list(self.metrics))
+        return self
+
+    def tensor_names(self, kind: Kind | str | None = None) -> list[str]:
+        """Canonical names of one kind in stats-axis order (all kinds: unique, sorted)."""
+        if kind is None:
+            return sorted({s.name for s in self.tensors})
+        return [s.name for s in self.tensors if s.kind == Kind(kind)]
+
+    def specs(self, kind: Kind | str) -> list[TensorSpec]:
+        return [s for s in self.tensors if s.kind == Kind(kind)]
+
+    def spec(self, name: str, kind: Kind | str) -> TensorSpec:
+        for s in self.tensors:
+            if s.name == name and s.kind == Kind(kind):
+                return s
+        raise KeyError(f"no tensor {name!r} of kind {Kind(kind).value} in this run")
+
+    def kinds(self) -> list[Kind]:
+        """Kinds that have at least one declared tensor, in schema order."""
+        present = {s.kind for s in self.tensors}
+        return [k for k in Kind if k in present]
+
+
+def manifest_json_schema() -> dict[str, Any]:
+    """JSON Schema of :class:`Manifest`, generated from the models (never hand-written)."""
+    schema = Manifest.model_json_schema(mode="serialization")
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["$id"] = f"https://traintape.dev/schema/{SCHEMA_VERSION}/manifest.schema.json"
+    return schema
+
+
+def manifest_json_schema_text() -> str:
+    return json.dumps(manifest_json_schema(), indent=2, sort_keys=True) + "\n"
