@@ -1,0 +1,58 @@
+"""Anomaly detection on real (tiny) JAX trainings and on hand-made series."""
+
+from __future__ import annotations
+
+import numpy as np
+from _stores import NAN_STEP, NAN_TENSOR, stores  # noqa: F401
+
+import traintape
+from traintape.analysis import anomalies
+from traintape.analysis._common import robust_z
+
+
+def test_nan_injected_reports_step_and_tensor_first(stores):  # noqa: F811
+    rep = anomalies(traintape.open_run(stores["nan"]))
+    first = rep.first_nonfinite
+    assert first is not None
+    assert (first.step, first.tensor, first.kind) == (NAN_STEP, NAN_TENSOR, "param")
+    nan = rep.of_type("nan")
+    assert nan[0] == first
+    assert all(a.step >= NAN_STEP for a in nan)
+    # gradients of earlier layers also went NaN at that step, but come after the param
+    assert any(a.kind == "grad" and a.tensor == "layers/0/kernel" for a in nan)
+
+
+def test_dead_units_from_activation_zero_fraction(stores):  # noqa: F811
+    rep = anomalies(traintape.open_run(stores["dead"]))
+    dead = [a for a in rep.of_type("dead_units") if a.layer == "layers/1"]
+    assert dead and dead[0].severity == "error"
+    assert dead[0].evidence["dead_unit_frac"] == 1.0  # from the activation snapshots
+
+
+def test_healthy_run_has_no_errors(stores):  # noqa: F811
+    rep = anomalies(traintape.open_run(stores["healthy"]))
+    assert rep.first_nonfinite is None
+    assert not [a for a in rep.anomalies if a.severity == "error"]
+
+
+def test_loss_spike_and_stall(tmp_path):
+    rng = np.random.default_rng(0)
+    loss = 1.0 + 0.01 * rng.standard_normal(60)
+    loss[40] = 5.0
+    with traintape.Recorder(str(tmp_path / "a")) as rec:
+        for t, v in enumerate(loss):
+            rec.log(t, loss=float(v))
+    rep = anomalies(traintape.open_run(str(tmp_path / "a")))
+    spikes = rep.of_type("loss_spike")
+    assert [a.step for a in spikes] == [40]
+    assert spikes[0].evidence["z"] > 6
+    with traintape.Recorder(str(tmp_path / "b")) as rec:
+        for t in range(40):
+            rec.log(t, loss=0.5 + 1e-7 * t)
+    assert anomalies(traintape.open_run(str(tmp_path / "b"))).of_type("stalled")
+
+
+def test_robust_z_ignores_smooth_decrease():
+    x = np.exp(-np.arange(100) / 30)
+    z = robust_z(x, 20)
+    assert np.nanmax(np.abs(z)) < 6

@@ -1,0 +1,108 @@
+"""traintape.compare: identical runs, a perturbed tensor, a transposed kernel, tolerances."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from _training import train_mlp
+from typer.testing import CliRunner
+
+import traintape
+from traintape.analysis import DEFAULT_TOLERANCES, compare
+from traintape.cli import app
+
+KW = dict(sizes=[8, 16, 4], steps=16, full_every=5)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cmp")
+    out = {k: str(root / k) for k in ("a", "b", "perturbed")}
+    train_mlp(out["a"], **KW)
+    train_mlp(out["b"], **KW)
+    train_mlp(out["perturbed"], perturb=(6, "layers/1/kernel", 1e-3), **KW)
+    return out
+
+
+def test_identical_runs(runs):
+    rep = compare(runs["a"], runs["b"])
+    assert rep.identical and rep.verdict == "identical"
+    assert rep.structural == [] and rep.first_divergence is None
+    assert rep.common_steps == 16
+    k = rep.diff("layers/0/kernel", "param")
+    assert k.steps_compared == 16 and k.snapshots_compared == 4
+    assert k.max_abs == 0.0 and k.min_cosine == pytest.approx(1.0)
+
+
+def test_perturbed_tensor_named_with_first_step(runs):
+    rep = compare(runs["a"], runs["perturbed"])
+    assert not rep.identical and rep.verdict == "differs"
+    assert rep.structural == []
+    first = rep.first_divergence
+    assert (first.tensor, first.kind, first.first_step_out) == ("layers/1/kernel", "param", 6)
+    d = rep.diff("layers/1/kernel", "param")
+    assert d.max_abs == pytest.approx(1e-3, rel=0.05)
+    # everything before step 6 agreed; gradients of step 6 follow
+    assert all(t.first_step_out is None or t.first_step_out >= 6 for t in rep.tensors)
+    assert rep.diff("layers/0/kernel", "grad").first_step_out == 6
+    assert rep.diff("loss", "metrics").first_step_out == 6
+    # loose enough tolerances absorb the perturbation
+    assert compare(runs["a"], runs["perturbed"], atol=1.0, rtol=1.0).identical
+
+
+def _record(url: str, transpose: bool) -> None:
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((3, 5)).astype(np.float32)
+    with traintape.Recorder(url, traintape.CapturePolicy(full_every=2)) as rec:
+        for t in range(4):
+            k = w + t
+            rec.record(t, "param", {"dense/kernel": k.T if transpose else k})
+            rec.log(t, loss=1.0 / (t + 1))
+
+
+def test_transposed_kernel_is_structural(tmp_path):
+    _record(str(tmp_path / "a"), False)
+    _record(str(tmp_path / "b"), True)
+    rep = compare(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert not rep.identical
+    shape = [s for s in rep.structural if s.what == "spec" and s.field == "shape"]
+    assert shape and shape[0].tensor == "dense/kernel"
+    assert (shape[0].a, shape[0].b) == ([3, 5], [5, 3])
+
+
+def test_structural_step_and_tensor_sets(tmp_path):
+    with traintape.Recorder(str(tmp_path / "a")) as rec:
+        for t in range(3):
+            rec.record(t, "param", {"x/kernel": np.ones((2, 2), np.float32)})
+    with traintape.Recorder(str(tmp_path / "b")) as rec:
+        for t in range(4):
+            rec.record(t, "param", {"x/kernel": np.ones((2, 2), np.float32),
+                                    "y/bias": np.zeros(2, np.float32)})  # fmt: skip
+    rep = compare(str(tmp_path / "a"), str(tmp_path / "b"))
+    whats = {s.what for s in rep.structural}
+    assert {"tensor", "steps"} <= whats
+    assert any(s.tensor == "y/bias" and "only in run B" in s.message for s in rep.structural)
+    assert rep.diff("x/kernel", "param").steps_compared == 3  # common steps still compared
+
+
+def test_per_kind_tolerances_and_defaults():
+    assert DEFAULT_TOLERANCES["param"].rtol <= DEFAULT_TOLERANCES["grad"].rtol
+
+
+def test_cli_compare_exit_codes_and_json(runs):
+    cli = CliRunner()
+    ok = cli.invoke(app, ["compare", runs["a"], runs["b"]])
+    assert ok.exit_code == 0, ok.output
+    assert "identical" in ok.output
+    bad = cli.invoke(app, ["compare", runs["a"], runs["perturbed"]])
+    assert bad.exit_code == 1
+    assert "layers/1/kernel" in bad.output and "step 6" in bad.output
+    js = cli.invoke(app, ["compare", runs["a"], runs["perturbed"], "--json"])
+    assert js.exit_code == 1
+    data = json.loads(js.output)
+    assert data["verdict"] == "differs"
+    assert data["first_divergence"]["tensor"] == "layers/1/kernel"
+    missing = cli.invoke(app, ["compare", runs["a"], runs["a"] + "-nope"])
+    assert missing.exit_code == 2

@@ -1,0 +1,52 @@
+"""Analyses over run stores (framework-free; read through :func:`traintape.open_run`).
+
+- :func:`health` — gradient-flow health per layer (VANISHING, EXPLODING, DEAD, ...).
+- :func:`anomalies` — NaN/Inf first seen, loss and gradient spikes, dead units, stalls.
+- :func:`parameter_change` / :func:`change_from_stats` — how much parameters moved.
+- :func:`sparse_update_quality` — would a sparse update have done the same?
+- :func:`compare` — are two runs identical; which tensor diverged first.
+- :func:`write_report` — one self-contained HTML report.
+- :func:`export` — Parquet / CSV / NPZ.
+"""
+
+from traintape.analysis.anomalies import Anomaly, AnomalyReport, AnomalyThresholds, anomalies
+from traintape.analysis.change import ParameterChange, change_from_stats, parameter_change
+from traintape.analysis.compare import DEFAULT_TOLERANCES, CompareReport, Tolerance, compare
+from traintape.analysis.export import export
+from traintape.analysis.health import (
+    HealthReport,
+    HealthThresholds,
+    Issue,
+    IssueType,
+    LayerHealth,
+    Status,
+    health,
+)
+from traintape.analysis.report import render_report, write_report
+from traintape.analysis.sparse import SparseUpdateQuality, sparse_update_quality
+
+__all__ = [
+    "DEFAULT_TOLERANCES",
+    "Anomaly",
+    "AnomalyReport",
+    "AnomalyThresholds",
+    "CompareReport",
+    "HealthReport",
+    "HealthThresholds",
+    "Issue",
+    "IssueType",
+    "LayerHealth",
+    "ParameterChange",
+    "SparseUpdateQuality",
+    "Status",
+    "Tolerance",
+    "anomalies",
+    "change_from_stats",
+    "compare",
+    "export",
+    "health",
+    "parameter_change",
+    "render_report",
+    "sparse_update_quality",
+    "write_report",
+]

@@ -1,0 +1,176 @@
+"""Shared helpers of the analyses: layer grouping, forward order, per-layer norm series.
+
+Forward order: a store holds tensors in sorted canonical order. Where the producer knows
+the order in which layers run, it may store it as ``manifest.user["forward_order"]`` (a
+list of layer paths or tensor names). Otherwise layers are ordered *naturally* by their
+path (integer segments compare as numbers, so ``layers/2`` runs before ``layers/10``),
+which is the forward order of the usual ``layers/<i>`` / ``block_<i>`` naming.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from traintape.schema import STAT_NAMES, Kind
+
+if TYPE_CHECKING:
+    from traintape.core.reader import Run
+
+STAT = {n: i for i, n in enumerate(STAT_NAMES)}
+KIND_RANK = {
+    Kind.PARAM: 0,
+    Kind.ACTIVATION: 1,
+    Kind.GRAD: 2,
+    Kind.UPDATE: 3,
+    Kind.OPT_STATE: 4,
+}
+"""Order in which data flows within one step: θ_t → activations → gradients → update."""
+
+_SPLIT = re.compile(r"(\d+)")
+
+
+def natural_key(name: str) -> tuple:
+    """Sort key comparing digit runs as integers (``layers/2`` < ``layers/10``)."""
+    parts = _SPLIT.split(name)
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in parts if p != "")
+
+
+def layer_of(name: str) -> str:
+    """Layer path of a canonical tensor name (everything before the role leaf)."""
+    return name.rsplit("/", 1)[0] if "/" in name else ""
+
+
+def forward_rank(run: Run) -> dict[str, int]:
+    """Map layer path (and tensor name, when given so) → position in forward order."""
+    user = run.manifest.user.get("forward_order") if run.manifest.user else None
+    layers = sorted({layer_of(s.name) for s in run.manifest.tensors}, key=natural_key)
+    rank: dict[str, int] = {}
+    if isinstance(user, Sequence) and not isinstance(user, str):
+        for i, entry in enumerate(user):
+            rank.setdefault(str(entry), i)
+        base = len(rank)
+        for j, layer in enumerate(x for x in layers if x not in rank):
+            rank[layer] = base + j
+        return rank
+    return {layer: i for i, layer in enumerate(layers)}
+
+
+def tensor_rank(rank: dict[str, int], name: str) -> int:
+    """Forward position of a tensor: its own entry, its layer's, or after everything."""
+    if name in rank:
+        return rank[name]
+    layer = layer_of(name)
+    while layer:
+        if layer in rank:
+            return rank[layer]
+        layer = layer_of(layer)
+    return len(rank) + 1
+
+
+def ordered_layers(run: Run, kind: Kind | str) -> list[str]:
+    """Layers having tensors of ``kind``, in forward order."""
+    rank = forward_rank(run)
+    layers = {layer_of(n) for n in run.tensor_names(kind)}
+    return sorted(layers, key=lambda x: (tensor_rank(rank, x + "/_"), natural_key(x)))
+
+
+def layer_norms(run: Run, kind: Kind | str) -> tuple[np.ndarray, list[str], np.ndarray]:
+    """Per-layer L2 norm over steps: ``(steps [rows], layers, norms [rows, layer])``.
+
+    A layer's norm is ``sqrt(sum of its tensors' l2**2)``; NaN where the kind was not
+    recorded at a row. Layers are in forward order. Reads the stats array of ``kind`` only.
+    """
+    kind = Kind(kind)
+    names = run.tensor_names(kind)
+    layers = ordered_layers(run, kind)
+    if not names or run.rows == 0:
+        return run.steps, layers, np.zeros((run.rows, len(layers)))
+    data = run.stats_array(kind)
+    l2 = data[:, :, STAT["l2"]]
+    missing = np.isnan(data).all(axis=2)
+    out = np.full((data.shape[0], len(layers)), np.nan)
+    col = {layer: i for i, layer in enumerate(layers)}
+    sq = np.zeros_like(out)
+    seen = np.zeros(out.shape, dtype=bool)
+    for j, n in enumerate(names):
+        c = col[layer_of(n)]
+        sq[:, c] += np.where(missing[:, j], 0.0, l2[:, j] ** 2)
+        seen[:, c] |= ~missing[:, j]
+    out[seen] = np.sqrt(sq[seen])
+    return run.steps[: data.shape[0]], layers, out
+
+
+def layer_stat(
+    run: Run, kind: Kind | str, stat: str, reduce: str = "mean"
+) -> tuple[np.ndarray, list[str], np.ndarray]:
+    """A stat per layer over steps, combining a layer's tensors by ``reduce`` (mean/max/sum)."""
+    kind = Kind(kind)
+    names = run.tensor_names(kind)
+    layers = ordered_layers(run, kind)
+    if not names or run.rows == 0:
+        return run.steps, layers, np.zeros((run.rows, len(layers)))
+    data = run.stats_array(kind)[:, :, STAT[stat]]
+    out = np.full((data.shape[0], len(layers)), np.nan)
+    for c, layer in enumerate(layers):
+        idx = [j for j, n in enumerate(names) if layer_of(n) == layer]
+        block = data[:, idx]
+        with np.errstate(all="ignore"), _quiet():
+            if reduce == "max":
+                out[:, c] = np.nanmax(block, axis=1)
+            elif reduce == "sum":
+                out[:, c] = np.where(np.isnan(block).all(axis=1), np.nan, np.nansum(block, axis=1))
+            else:
+                out[:, c] = np.nanmean(block, axis=1)
+    return run.steps[: data.shape[0]], layers, out
+
+
+class _quiet:
+    """Silence numpy's 'all-NaN slice' RuntimeWarnings inside a block."""
+
+    def __enter__(self) -> None:
+        import warnings
+
+        self._w = warnings.catch_warnings()
+        self._w.__enter__()
+        warnings.simplefilter("ignore", RuntimeWarning)
+
+    def __exit__(self, *exc: object) -> None:
+        self._w.__exit__(*exc)
+
+
+def nanmedian(x: np.ndarray, axis: int | None = None) -> np.ndarray | float:
+    with _quiet():
+        return np.nanmedian(x, axis=axis)
+
+
+def robust_z(x: np.ndarray, window: int, min_periods: int = 5) -> np.ndarray:
+    """Robust rolling z-score of each value against the *preceding* ``window`` values.
+
+    ``z_t = (x_t - median(x_{t-w..t-1})) / (1.4826 * MAD + eps)``, eps scaled to the
+    window's magnitude so perfectly flat series don't divide by zero. NaN where fewer
+    than ``min_periods`` finite predecessors exist or ``x_t`` is not finite.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    z = np.full(x.shape, np.nan)
+    for t in range(len(x)):
+        if not np.isfinite(x[t]):
+            continue
+        w = x[max(0, t - window) : t]
+        w = w[np.isfinite(w)]
+        if len(w) < min_periods:
+            continue
+        med = np.median(w)
+        mad = np.median(np.abs(w - med))
+        eps = 1e-3 * (abs(med) + 1e-12)
+        z[t] = (x[t] - med) / (1.4826 * mad + eps)
+    return z
+
+
+def finite_float(v: float | np.floating) -> float | None:
+    """A JSON-safe float (None for NaN/Inf)."""
+    f = float(v)
+    return f if np.isfinite(f) else None

@@ -1,0 +1,302 @@
+"""Self-contained HTML report of a run (one file, no network: figures are base64 PNGs).
+
+Sections: run info; metric curves; layer × step heatmaps of gradient norm and of the
+update/param ratio (log10); weight-distribution evolution (mean ± std and min/max of each
+kernel over steps); health table; anomalies; parameter change. Every name read from the
+store is HTML-escaped.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from traintape.analysis._common import STAT, layer_norms, natural_key
+from traintape.analysis.anomalies import AnomalyReport, anomalies
+from traintape.analysis.change import change_from_stats, parameter_change
+from traintape.analysis.health import HealthReport, health
+from traintape.schema import Kind
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from traintape.core.reader import Run
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#222;max-width:1200px}
+h1{font-size:22px}h2{font-size:18px;border-bottom:1px solid #ddd;padding-bottom:4px;margin-top:28px}
+table{border-collapse:collapse;font-size:13px;margin:8px 0}td,th{border:1px solid #ddd;padding:3px 8px;text-align:left}
+th{background:#f4f4f4}.healthy{color:#1a7f37}.warning{color:#9a6700}.critical,.error{color:#cf222e;font-weight:600}
+img{max-width:100%;display:block;margin:8px 0}.muted{color:#777}code{font-size:12px}
+"""
+
+
+def _png(fig: Figure) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _img(src: str, alt: str) -> str:
+    return f'<img src="{src}" alt="{html.escape(alt)}">'
+
+
+def _e(x: object) -> str:
+    return html.escape(str(x))
+
+
+def _fmt(v: float | None) -> str:
+    return "–" if v is None else f"{v:.3g}"
+
+
+def _heatmap(steps: np.ndarray, layers: list[str], values: np.ndarray, title: str) -> str:
+    import matplotlib.pyplot as plt
+
+    with np.errstate(all="ignore"):
+        z = np.log10(np.where(values > 0, values, np.nan)).T
+    fig, ax = plt.subplots(figsize=(11, 0.35 * len(layers) + 1.6))
+    ext = (
+        [float(steps[0]) - 0.5, float(steps[-1]) + 0.5, len(layers) - 0.5, -0.5]
+        if len(steps)
+        else None
+    )
+    im = ax.imshow(
+        np.ma.masked_invalid(z), aspect="auto", cmap="viridis", interpolation="nearest", extent=ext
+    )
+    ax.set_yticks(range(len(layers)))
+    ax.set_yticklabels(layers, fontsize=8)
+    ax.set_xlabel("step")
+    ax.set_title(title)
+    fig.colorbar(im, ax=ax, label="log10")
+    return _png(fig)
+
+
+def _metrics_fig(run: Run) -> str | None:
+    import matplotlib.pyplot as plt
+
+    met = run.metrics()
+    if not len(met.columns):
+        return None
+    cols = list(met.columns)
+    fig, axes = plt.subplots(1, len(cols), figsize=(min(5 * len(cols), 15), 3), squeeze=False)
+    for ax, c in zip(axes[0], cols, strict=True):
+        s = met[c].dropna()
+        ax.plot(s.index, s.to_numpy(), lw=1.5)
+        if len(s) and (s > 0).all() and s.max() / max(s.min(), 1e-30) > 50:
+            ax.set_yscale("log")
+        ax.set_title(c)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    return _png(fig)
+
+
+def _weights_fig(run: Run, max_tensors: int = 8) -> str | None:
+    import matplotlib.pyplot as plt
+
+    if Kind.PARAM not in run.kinds():
+        return None
+    names = run.tensor_names(Kind.PARAM)
+    pick = [n for n in names if n.endswith(("kernel", "embedding", "kernel_ih"))] or names
+    pick = sorted(pick, key=natural_key)[:max_tensors]
+    data = run.stats_array(Kind.PARAM, pick)
+    steps = run.steps[: data.shape[0]]
+    cols = min(4, len(pick))
+    rows = int(np.ceil(len(pick) / cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 2.6 * rows), squeeze=False)
+    for k, n in enumerate(pick):
+        ax = axes[k // cols][k % cols]
+        mean, std = data[:, k, STAT["mean"]], data[:, k, STAT["std"]]
+        ax.fill_between(
+            steps, data[:, k, STAT["min"]], data[:, k, STAT["max"]], alpha=0.15, label="min..max"
+        )
+        ax.fill_between(steps, mean - std, mean + std, alpha=0.4, label="mean±std")
+        ax.plot(steps, mean, lw=1)
+        ax.set_title(n, fontsize=8)
+        ax.tick_params(labelsize=7)
+    for k in range(len(pick), rows * cols):
+        axes[k // cols][k % cols].axis("off")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def _health_html(h: HealthReport) -> str:
+    rows = []
+    for lh in h.layers:
+        iss = "; ".join(f"{i.type.value}: {i.message}" for i in lh.issues) or ""
+        rows.append(
+            f"<tr><td>{_e(lh.layer)}</td><td>{lh.score:.0f}</td>"
+            f'<td class="{lh.status.value}">{lh.status.value}</td><td>{_fmt(lh.grad_norm)}</td>'
+            f"<td>{_fmt(lh.rel_grad)}</td><td>{_fmt(lh.update_ratio)}</td>"
+            f"<td>{_fmt(lh.act_zero_frac)}</td><td>{_e(iss)}</td></tr>"
+        )
+    run_iss = "".join(
+        f'<li class="{i.severity.value}">{_e(i.type.value)}: {_e(i.message)} — '
+        f'<span class="muted">{_e(i.recommendation)}</span></li>'
+        for i in h.run_issues
+    )
+    recos = "".join(
+        f"<li><b>{_e(i.type.value)}</b> ({_e(i.layer)}): {_e(i.recommendation)}</li>"
+        for lh in h.layers
+        for i in lh.issues[:1]
+    )
+    return (
+        f'<p>Overall: <span class="{h.status.value}">{h.status.value}</span>, score {h.score:.0f}/100</p>'
+        "<table><tr><th>layer</th><th>score</th><th>status</th><th>grad norm</th>"
+        "<th>grad/param</th><th>update/param</th><th>act zero frac</th><th>issues</th></tr>"
+        + "".join(rows)
+        + "</table>"
+        + (f"<ul>{run_iss}</ul>" if run_iss else "")
+        + (f"<p>Recommendations:</p><ul>{recos}</ul>" if recos else "")
+    )
+
+
+def _anomalies_html(a: AnomalyReport, limit: int = 100) -> str:
+    if not a.anomalies:
+        return "<p>No anomalies.</p>"
+    rows = "".join(
+        f'<tr><td>{x.step}</td><td>{_e(x.type)}</td><td class="{x.severity.value}">{x.severity.value}</td>'
+        f"<td>{_e(x.kind.value if x.kind else '')}</td><td>{_e(x.tensor or x.layer or '')}</td>"
+        f"<td>{_e(x.message)}</td></tr>"
+        for x in a.anomalies[:limit]
+    )
+    first = ""
+    if a.first_nonfinite is not None:
+        f = a.first_nonfinite
+        first = (
+            f'<p class="error">First non-finite value: step {f.step}, '
+            f"{_e(f.kind.value if f.kind else 'metric')} {_e(f.tensor)}</p>"
+        )
+    more = (
+        f"<p class='muted'>{len(a.anomalies) - limit} more not shown</p>"
+        if len(a.anomalies) > limit
+        else ""
+    )
+    return (
+        first
+        + "<table><tr><th>step</th><th>type</th><th>severity</th><th>kind</th><th>tensor/layer</th>"
+        "<th>message</th></tr>" + rows + "</table>" + more
+    )
+
+
+def _change_html(run: Run) -> tuple[str, str | None]:
+    import matplotlib.pyplot as plt
+
+    pc = parameter_change(run, max_pairs=20)
+    parts = []
+    if pc.pairs:
+        thr = [f"{t:g}" for t in pc.thresholds]
+        rows = "".join(
+            f"<tr><td>{p.step_old}→{p.step_new}</td><td>{_fmt(p.total.l2)}</td><td>{_fmt(p.total.relative)}</td>"
+            f"<td>{_fmt(p.total.max)}</td>"
+            + "".join(f"<td>{p.total.sparsity[t]:.3f}</td>" for t in thr)
+            + "<td>"
+            + _e(", ".join(f"{k}: {_fmt(v.relative)}" for k, v in p.per_component.items()))
+            + "</td></tr>"
+            for p in pc.pairs
+        )
+        parts.append(
+            "<p>From full snapshots (Δ = θ_new − θ_old):</p><table><tr><th>steps</th><th>‖Δ‖₂</th>"
+            "<th>relative</th><th>max |Δ|</th>"
+            + "".join(f"<th>sparsity ≤{_e(t)}</th>" for t in thr)
+            + "<th>relative by component</th></tr>"
+            + rows
+            + "</table>"
+        )
+    steps, layers, r = change_from_stats(run)
+    fig_src = None
+    if layers and len(steps):
+        fig, ax = plt.subplots(figsize=(11, 3))
+        for c, layer in enumerate(layers[:12]):
+            ax.plot(steps, r[:, c], lw=1, label=layer)
+        ax.set_yscale("log")
+        ax.set_xlabel("step")
+        ax.set_title("per-step relative change ‖update‖/‖param‖ by layer")
+        ax.legend(fontsize=7, ncol=4)
+        ax.grid(alpha=0.3)
+        fig_src = _png(fig)
+    if not parts:
+        parts.append("<p class='muted'>No param snapshots: change shown from stats only.</p>")
+    return "".join(parts), fig_src
+
+
+def render_report(run: Run) -> str:
+    """The HTML text of the report of ``run``."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    m = run.manifest
+    p = m.producer
+    steps = run.steps
+    span = f"{int(steps[0])}..{int(steps[-1])}" if len(steps) else "none"
+    info = (
+        "<table>"
+        + "".join(
+            f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>"
+            for k, v in [
+                ("store", run.url),
+                ("run id", m.run_id),
+                ("status", m.status),
+                (
+                    "producer",
+                    f"{p.framework or 'numpy'} {p.framework_version or ''} ({p.adapter or 'Recorder'})",
+                ),
+                ("steps", f"{run.rows} rows, steps {span}"),
+                (
+                    "tensors",
+                    ", ".join(f"{k.value}: {len(run.tensor_names(k))}" for k in run.kinds()),
+                ),
+                ("metrics", ", ".join(m.metrics)),
+                ("events", len(m.events)),
+            ]
+        )
+        + "</table>"
+    )
+    body = [f"<h1>traintape report — {_e(m.run_id)}</h1>", "<h2>Run</h2>", info]
+    mf = _metrics_fig(run)
+    body.append("<h2>Metrics</h2>" + (_img(mf, "metric curves") if mf else "<p>No metrics.</p>"))
+    body.append("<h2>Gradient norm by layer</h2>")
+    if Kind.GRAD in run.kinds() and run.rows:
+        s, layers, g = layer_norms(run, Kind.GRAD)
+        body.append(
+            _img(_heatmap(s, layers, g, "gradient L2 norm (log10), layer × step"), "grad heatmap")
+        )
+    else:
+        body.append("<p>No gradients recorded.</p>")
+    body.append("<h2>Update / param ratio by layer</h2>")
+    s, layers, r = change_from_stats(run)
+    if layers and run.rows:
+        body.append(
+            _img(_heatmap(s, layers, r, "‖update‖/‖param‖ (log10), layer × step"), "ratio heatmap")
+        )
+    else:
+        body.append("<p>Needs param and update kinds.</p>")
+    wf = _weights_fig(run)
+    body.append(
+        "<h2>Weight distributions over steps</h2>"
+        + (_img(wf, "weights") if wf else "<p>No params.</p>")
+    )
+    body.append("<h2>Health</h2>" + _health_html(health(run)))
+    body.append("<h2>Anomalies</h2>" + _anomalies_html(anomalies(run)))
+    ch, chf = _change_html(run)
+    body.append("<h2>Parameter change</h2>" + ch + (_img(chf, "parameter change") if chf else ""))
+    return (
+        "<!DOCTYPE html><html><head><meta charset='utf-8'>"
+        f"<title>traintape report {_e(m.run_id)}</title><style>{_CSS}</style></head><body>"
+        + "\n".join(body)
+        + "</body></html>\n"
+    )
+
+
+def write_report(run: Run, out: str) -> str:
+    """Write the report of ``run`` to ``out`` (one self-contained HTML file); returns out."""
+    with open(out, "w", encoding="utf-8") as f:
+        f.write(render_report(run))
+    return out
