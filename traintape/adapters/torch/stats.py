@@ -1,0 +1,205 @@
+"""On-device, batched stat vectors for torch tensors.
+
+Stats are computed in two stages:
+
+1. :func:`raw_stats` (on the tensors' device, no host sync in the common case) gives a
+   *mergeable* ``[n, RAW]`` float64 matrix per tensor: numel, finite count, sum, M2
+   (sum of squared deviations from the mean), min, max, sum of squares, sum of |x|,
+   zero count and NaN count (all over finite elements, except numel/zeros/NaN). Rows of
+   several micro-batches are combined with :func:`merge_raw` (Chan's parallel formula).
+2. :func:`finalize` (host, numpy) turns the raw matrix into the schema's stat vectors
+   ``[n, N_STATS]`` (see :mod:`traintape.schema.stats`).
+
+Batching: tensors with at most ``SMALL`` elements are concatenated into one flat buffer
+and reduced with ``torch.segment_reduce`` (a fixed handful of calls whatever their
+number; exact two-pass std). Larger tensors use ``torch._foreach_norm`` (L1, L2 batched
+over all of them) plus ``sum``, ``aminmax`` and ``count_nonzero`` each — five passes,
+one-pass std (M2 = Σx² − (Σx)²/n in float64). NaN/Inf in a large tensor is detected from
+its (batched) L2 norm; only then are those tensors recomputed with finite masks. The
+check is one boolean read per call (free on CPU; one tiny sync per call on CUDA).
+
+Accuracy: float32 reductions (torch's cascaded sums); relative error ~1e-6 against the
+float64 numpy reference. Cost (CPU, 1 thread, 8.4M-parameter MLP): ~10x one plain
+``sum`` pass per kind; stock torch CPU ops have no fused multi-statistic reduction
+(``torch.compile`` of a fused version measured no faster), so reaching ~2x the floor
+needs a custom single-pass kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from traintape.schema import N_STATS
+
+SMALL = 1 << 16
+RAW = 10
+(NUMEL, NFIN, SUM, M2, MIN, MAX, SUMSQ, ABS, ZEROS, NAN) = range(RAW)
+
+
+def _as_float(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+def empty_raw(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Raw rows of ``n`` tensors with no elements (finalize to NaN stats)."""
+    out = torch.zeros((n, RAW), dtype=torch.float64, device=device)
+    out[:, MIN] = float("inf")
+    out[:, MAX] = float("-inf")
+    return out
+
+
+def _small_raw(xs: list[torch.Tensor]) -> torch.Tensor:
+    """Exact, finite-masked raw rows of small tensors via one flat buffer."""
+    device = xs[0].device
+    lengths = torch.tensor([x.numel() for x in xs], device=device)
+    flat = torch.cat([x.reshape(-1).to(torch.float64) for x in xs])
+    fin = torch.isfinite(flat)
+    xz = torch.where(fin, flat, 0.0)
+
+    def seg(v: torch.Tensor, how: str = "sum") -> torch.Tensor:
+        return torch.segment_reduce(v, how, lengths=lengths, unsafe=True)
+
+    nfin = seg(fin.to(torch.float64))
+    s = seg(xz)
+    mean = torch.where(nfin > 0, s / nfin.clamp(min=1), 0.0)
+    dev = torch.where(fin, flat - torch.repeat_interleave(mean, lengths), 0.0)
+    cols = [
+        lengths.to(torch.float64),
+        nfin,
+        s,
+        seg(dev * dev),
+        seg(torch.where(fin, flat, float("inf")), "min"),
+        seg(torch.where(fin, flat, float("-inf")), "max"),
+        seg(xz * xz),
+        seg(xz.abs()),
+        seg((flat == 0).to(torch.float64)),
+        seg(torch.isnan(flat).to(torch.float64)),
+    ]
+    return torch.stack(cols, dim=1)
+
+
+def _masked_raw(x: torch.Tensor) -> torch.Tensor:
+    """Exact, finite-masked raw row of one tensor (used when it holds NaN/Inf)."""
+    x = x.reshape(-1)
+    fin = torch.isfinite(x)
+    xz = torch.where(fin, x, 0.0).to(torch.float64)
+    nfin = fin.sum().to(torch.float64)
+    s = xz.sum()
+    mean = torch.where(nfin > 0, s / nfin.clamp(min=1), 0.0)
+    dev = torch.where(fin, xz - mean, 0.0)
+    inf = torch.tensor(float("inf"), dtype=x.dtype, device=x.device)
+    return torch.stack(
+        [
+            torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device),
+            nfin,
+            s,
+            (dev * dev).sum(),
+            torch.where(fin, x, inf).amin().to(torch.float64),
+            torch.where(fin, x, -inf).amax().to(torch.float64),
+            (xz * xz).sum(),
+            xz.abs().sum(),
+            (x == 0).sum().to(torch.float64),
+            torch.isnan(x).sum().to(torch.float64),
+        ]
+    )
+
+
+def _large_raw(xs: list[torch.Tensor]) -> torch.Tensor:
+    """Raw rows of large tensors: batched L1/L2 norms + sum, aminmax, count_nonzero each."""
+    l2 = torch.stack(torch._foreach_norm(xs, 2)).to(torch.float64)
+    l1 = torch.stack(torch._foreach_norm(xs, 1)).to(torch.float64)
+    s = torch.stack([x.sum() for x in xs]).to(torch.float64)
+    mm = [torch.aminmax(x) for x in xs]
+    mn = torch.stack([m[0] for m in mm]).to(torch.float64)
+    mx = torch.stack([m[1] for m in mm]).to(torch.float64)
+    nz = torch.stack([torch.count_nonzero(x) for x in xs]).to(torch.float64)
+    n = torch.tensor([float(x.numel()) for x in xs], dtype=torch.float64, device=l2.device)
+    sumsq = l2 * l2
+    m2 = (sumsq - s * s / n).clamp(min=0.0)
+    out = torch.stack([n, n, s, m2, mn, mx, sumsq, l1, n - nz, torch.zeros_like(n)], dim=1)
+    bad = ~torch.isfinite(l2)
+    if bool(bad.any()):  # rare: NaN/Inf present (or sum of squares overflowed)
+        for i in torch.nonzero(bad).flatten().tolist():
+            out[i] = _masked_raw(xs[i])
+    return out
+
+
+def raw_stats(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """Mergeable raw statistics ``[n, RAW]`` float64 (on the tensors' device).
+
+    ``None`` stands for an all-zero tensor (a parameter that received no gradient).
+    All tensors must be on one device.
+    """
+    n = len(tensors)
+    device = next((t.device for t in tensors if t is not None), torch.device("cpu"))
+    if n == 0:
+        return empty_raw(0, device)
+    xs = [_as_float(t) if t is not None else torch.zeros(1, device=device) for t in tensors]
+    small = [i for i, x in enumerate(xs) if 0 < x.numel() <= SMALL]
+    large = [i for i, x in enumerate(xs) if x.numel() > SMALL]
+    out = empty_raw(n, device)
+    if small:
+        idx = torch.tensor(small, device=device)
+        out.index_copy_(0, idx, _small_raw([xs[i] for i in small]))
+    if large:
+        idx = torch.tensor(large, device=device)
+        out.index_copy_(0, idx, _large_raw([xs[i] for i in large]))
+    return out
+
+
+def merge_raw(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Combine raw rows of the same tensors over two disjoint sets of elements."""
+    na, nb = a[:, NFIN], b[:, NFIN]
+    n = na + nb
+    safe = n.clamp(min=1)
+    delta = b[:, SUM] / nb.clamp(min=1) - a[:, SUM] / na.clamp(min=1)
+    cross = torch.where((na > 0) & (nb > 0), delta * delta * na * nb / safe, 0.0)
+    out = a + b
+    out[:, M2] = a[:, M2] + b[:, M2] + cross
+    out[:, MIN] = torch.minimum(a[:, MIN], b[:, MIN])
+    out[:, MAX] = torch.maximum(a[:, MAX], b[:, MAX])
+    return out
+
+
+def finalize(raw: np.ndarray) -> np.ndarray:
+    """Raw rows (host) → stat vectors ``[n, N_STATS]`` float64 in schema order."""
+    raw = np.asarray(raw, dtype=np.float64)
+    out = np.empty((raw.shape[0], N_STATS), dtype=np.float64)
+    numel, nfin, nan = raw[:, NUMEL], raw[:, NFIN], raw[:, NAN]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        none = nfin == 0
+        out[:, 0] = raw[:, SUM] / nfin
+        out[:, 1] = np.sqrt(np.maximum(raw[:, M2], 0.0) / nfin)
+        out[:, 2] = raw[:, MIN]
+        out[:, 3] = raw[:, MAX]
+        out[:, 4] = np.sqrt(raw[:, SUMSQ])
+        out[:, 5] = raw[:, ABS] / nfin
+        out[:, 6] = np.where(numel > 0, raw[:, ZEROS] / np.maximum(numel, 1), np.nan)
+    out[:, 7] = nan
+    out[:, 8] = numel - nfin - nan
+    out[none, 0] = np.nan
+    out[none, 1] = np.nan
+    out[none, 2] = np.nan
+    out[none, 3] = np.nan
+    out[none, 5] = np.nan
+    out[none, 4] = 0.0
+    return out
+
+
+def to_host(raw: torch.Tensor) -> np.ndarray:
+    """One device→host copy (non-blocking into pinned memory on CUDA)."""
+    if raw.device.type == "cuda":
+        buf = torch.empty(raw.shape, dtype=raw.dtype, pin_memory=True)
+        buf.copy_(raw, non_blocking=True)
+        torch.cuda.current_stream(raw.device).synchronize()
+        return buf.numpy()
+    return raw.detach().cpu().numpy()
+
+
+def stat_vectors(tensors: Sequence[torch.Tensor | None]) -> np.ndarray:
+    """Stat vectors ``[n, N_STATS]`` of torch tensors (computed on device, one transfer)."""
+    return finalize(to_host(raw_stats(tensors)))

@@ -1,0 +1,461 @@
+"""``traintape.torch.watch``: hooks that record a torch model's training into a Recorder.
+
+Step semantics (DESIGN): step ``t`` counts completed optimizer steps from ``start_step``.
+
+With an optimizer, everything happens in the optimizer's step hooks:
+
+- step pre-hook (parameters are still θ_t, ``p.grad`` holds the gradient accumulated
+  over all micro-batches of step t): ``param`` = θ_t, ``grad`` = ``p.grad``; θ_t is
+  copied (one batched ``torch._foreach_copy_``) if ``update`` is recorded;
+- step post-hook: ``update`` = θ_{t+1} − θ_t, then one device→host transfer of every raw
+  stat of the step and ``Recorder.record_stats`` per kind; the step counter advances.
+
+Without an optimizer, call :meth:`WatchHandle.step` once per step *after* the parameter
+update and *before* gradients are zeroed: it records ``grad`` (current ``p.grad``),
+``update`` (θ now − θ at the previous boundary) and ``param`` θ_t (taken at the previous
+boundary, or when ``watch`` was called for the first step).
+
+Gradient hooks (``register_post_accumulate_grad_hook``) fire once per parameter per
+backward pass; they count backward passes and trigger the batched reduction of the
+activations stashed by the forward hooks of that micro-batch. A trainable parameter that
+got no gradient at a step is recorded as an all-zero gradient.
+
+Activations: forward hooks on every parametrised module stash the (detached) output;
+their stats are reduced in one batched call per micro-batch and merged over the
+micro-batches of the step (stats over the whole batch). Forward passes run with grad
+disabled (evaluation) are ignored. Full snapshots of activations
+are taken only for a fixed ``probe`` input on full-capture steps: the model is run on it
+in ``eval()`` mode under ``torch.no_grad()`` with parameters θ_t (no RNG use, no
+BatchNorm update), and the outputs are stored channels-last.
+
+``torch.compile``: the forward hooks only stash outputs, so dynamo traces them without a
+graph break (tested with ``fullgraph=True``, CPU); all statistics run eagerly in the
+gradient and optimizer hooks, outside compiled graphs. Watch the model *before* calling
+``torch.compile``: dynamo does not guard on module hooks, so code compiled before the
+hooks existed would silently skip them. ``watch`` therefore refuses a compiled wrapper
+(``OptimizedModule``). After :meth:`WatchHandle.remove`, graphs compiled while watching
+still call the (now inert) hook closures until recompiled; they record nothing.
+
+Steps not captured by the policy cost a flag test per hooked module call and per
+gradient hook; nothing is computed or transferred.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from traintape.adapters.torch import stats as S
+from traintape.adapters.torch.names import (
+    ActivationSite,
+    ModelLayout,
+    ParamEntry,
+    activation_permutation,
+    activation_tensor,
+    model_layout,
+)
+from traintape.core.naming import NameMap
+from traintape.core.recorder import Recorder
+from traintape.schema import Kind, TensorSpec
+
+ADAPTER = "traintape.torch"
+
+
+def host_copy(t: torch.Tensor) -> np.ndarray:
+    """A contiguous host copy of ``t`` as numpy (bfloat16 via ml_dtypes), never a view."""
+    t = t.detach()
+    out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+    out.copy_(t)
+    if out.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return out.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return out.numpy()
+
+
+def numpy_dtype_name(dtype: torch.dtype) -> str:
+    if dtype == torch.bfloat16:
+        return "bfloat16"
+    return str(torch.empty((), dtype=dtype).numpy().dtype)
+
+
+def _spec(e: ParamEntry, kind: Kind) -> TensorSpec:
+    return TensorSpec(
+        name=e.name,
+        kind=kind,
+        role=e.role,
+        layer=e.layer,
+        layer_kind=e.layer_kind,
+        dtype=numpy_dtype_name(e.tensor().dtype),
+        shape=list(e.shape),
+        source_name=e.source_name,
+        source_shape=list(e.source_shape),
+        permutation=list(e.permutation) if e.permutation is not None else None,
+        aliases=list(e.aliases),
+    )
+
+
+class WatchHandle:
+    """Hooks recording a torch model; use as a context manager or call :meth:`remove`.
+
+    Attributes:
+        step_index: the optimizer step the next recorded data belongs to.
+        layout: canonical names/layouts of the model's tensors.
+        micro_batches: backward passes seen during the current step.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        recorder: Recorder,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        name_map: NameMap = None,
+        start_step: int = 0,
+        activations: bool = True,
+        probe: torch.Tensor | Sequence[Any] | None = None,
+    ) -> None:
+        self.model = model
+        self.rec = recorder
+        self.optimizer = optimizer
+        self.step_index = int(start_step)
+        self.probe = probe
+        self.micro_batches = 0
+        self._handles: list[Any] = []
+        self._removed = False
+        if hasattr(model, "_orig_mod"):
+            raise TypeError(
+                "traintape.torch.watch: got a torch.compile'd module; hooks added after "
+                "compilation are not seen by already-compiled code (dynamo does not guard on "
+                "module hooks). Call watch(model, ...) on the plain module first, then "
+                "torch.compile(model)."
+            )
+        self.layout: ModelLayout = model_layout(model, name_map)
+        pol = recorder.policy
+        self.param_entries = [e for e in self.layout.entries if pol.selects(e.name)]
+        self.train_entries = [e for e in self.param_entries if e.trainable]
+        self.sites: list[ActivationSite] = (
+            [s for s in self.layout.activations if pol.selects(s.name)] if activations else []
+        )
+        recorder.set_producer(
+            framework="torch", framework_version=torch.__version__, adapter=ADAPTER
+        )
+        self._declare_params()
+        # per-step device state
+        self._pending: dict[Kind, tuple[list[str], torch.Tensor]] = {}
+        self._snaps: dict[Kind, dict[str, np.ndarray]] = {}
+        self._theta: list[torch.Tensor] | None = None
+        self._act_raw: dict[str, torch.Tensor] = {}
+        self._act_stash: list[tuple[ActivationSite, torch.Tensor]] = []
+        self._act_on = False
+        self._probing = False
+        self._act_declared: list[str] | None = None
+        self._act_warned: set[str] = set()
+        self._install()
+        self._boundary()
+        if optimizer is None:
+            self._begin()
+
+    # ---------------------------------------------------------------- setup
+    def _declare_params(self) -> None:
+        specs: list[TensorSpec] = []
+        pol = self.rec.policy
+        if pol.records_kind(Kind.PARAM):
+            specs += [_spec(e, Kind.PARAM) for e in self.param_entries]
+        for kind in (Kind.GRAD, Kind.UPDATE):
+            if pol.records_kind(kind):
+                specs += [_spec(e, kind) for e in self.train_entries]
+        if specs:
+            self.rec.declare(specs)
+
+    def _install(self) -> None:
+        self._first_param = self.train_entries[0].tensor() if self.train_entries else None
+        for e in self.train_entries:
+            if e.rows is None or e.rows[0] == 0:
+                self._handles.append(e.tensor().register_post_accumulate_grad_hook(self._on_grad))
+        for site in self.sites:
+            self._handles.append(site.module.register_forward_hook(self._forward_hook(site)))
+        if self.optimizer is not None:
+            self._handles.append(self.optimizer.register_step_pre_hook(self._on_pre_step))
+            self._handles.append(self.optimizer.register_step_post_hook(self._on_post_step))
+
+    def remove(self) -> None:
+        """Remove every hook this handle added and drop pending data (idempotent)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._pending.clear()
+        self._snaps.clear()
+        self._act_raw.clear()
+        self._act_stash.clear()
+        self._theta = None
+        self._removed = True
+        self._act_on = False
+
+    def __enter__(self) -> WatchHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    # ---------------------------------------------------------------- hooks
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if self._act_stash:
+            self._reduce_activations()
+        if p is self._first_param:
+            self.micro_batches += 1
+
+    def _forward_hook(self, site: ActivationSite) -> Callable[..., None]:
+        def hook(mod: nn.Module, args: Any, out: Any) -> None:
+            if not self._act_on or self._removed:
+                return
+            t = activation_tensor(out)
+            if t is None:
+                return
+            if self._probing:
+                perm = activation_permutation(mod, t)
+                c = t.detach() if perm is None else t.detach().permute(perm)
+                self._snaps.setdefault(Kind.ACTIVATION, {})[site.name] = host_copy(c)
+                self._act_shapes.setdefault(site.name, (site, mod, t))
+                return
+            if not torch.is_grad_enabled():
+                return  # evaluation passes between steps are not training activations
+            self._act_shapes.setdefault(site.name, (site, mod, t))
+            self._act_stash.append((site, t.detach()))
+
+        return hook
+
+    def _on_pre_step(self, opt: Any, args: Any, kwargs: Any) -> None:
+        self._begin()
+        self._grads()
+
+    def _on_post_step(self, opt: Any, args: Any, kwargs: Any) -> None:
+        self._end()
+
+    def step(self) -> None:
+        """Mark the end of optimizer step ``step_index`` (only when no optimizer is given).
+
+        Call after the parameter update and before the gradients are zeroed.
+        """
+        if self.optimizer is not None:
+            raise RuntimeError(
+                "traintape.torch: handle.step() is for models watched without an optimizer; "
+                "with optimizer=..., steps are marked by optimizer.step() hooks"
+            )
+        if self._removed:
+            raise RuntimeError("traintape.torch: this watch handle was removed")
+        self._grads()
+        self._end()
+        self._begin()
+
+    # ---------------------------------------------------------------- step logic
+    def _boundary(self) -> None:
+        t = self.step_index
+        self._act_on = bool(self.sites) and self.rec.wants(t, Kind.ACTIVATION)
+        self._act_shapes: dict[str, tuple[ActivationSite, nn.Module, torch.Tensor]] = {}
+        self.micro_batches = 0
+
+    def _begin(self) -> None:
+        """θ_t is live: param stats/snapshots, θ_t copy for updates, activation probe."""
+        t, rec = self.step_index, self.rec
+        if self.param_entries and rec.wants(t, Kind.PARAM):
+            tensors = [e.part(e.tensor()) for e in self.param_entries]
+            self._pending[Kind.PARAM] = ([e.name for e in self.param_entries], S.raw_stats(tensors))
+            if rec.policy.snapshots(t, Kind.PARAM):
+                self._snaps[Kind.PARAM] = {
+                    e.name: host_copy(e.canonical(e.tensor())) for e in self.param_entries
+                }
+        if self.train_entries and rec.wants(t, Kind.UPDATE):
+            live = self._unique_train_tensors()
+            with torch.no_grad():
+                if self._theta is None or len(self._theta) != len(live):
+                    self._theta = [torch.empty_like(p) for p in live]
+                torch._foreach_copy_(self._theta, [p.detach() for p in live])
+        else:
+            self._theta = None
+        if self.probe is not None and self._act_on and rec.policy.snapshots(t, Kind.ACTIVATION):
+            self._run_probe()
+
+    def _unique_train_tensors(self) -> list[torch.Tensor]:
+        seen: dict[int, torch.Tensor] = {}
+        for e in self.train_entries:
+            p = e.tensor()
+            seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def _run_probe(self) -> None:
+        modes = {m: m.training for m in self.model.modules()}
+        self._probing = True
+        try:
+            self.model.eval()
+            with torch.no_grad():
+                probe = self.probe
+                if isinstance(probe, (tuple, list)):
+                    self.model(*probe)
+                else:
+                    self.model(probe)
+        finally:
+            self._probing = False
+            for m, mode in modes.items():
+                m.training = mode
+
+    def _grads(self) -> None:
+        t = self.step_index
+        if not self.train_entries or not self.rec.wants(t, Kind.GRAD):
+            return
+        grads = []
+        for e in self.train_entries:
+            g = e.tensor().grad
+            grads.append(None if g is None else e.part(g))
+        self._pending[Kind.GRAD] = ([e.name for e in self.train_entries], S.raw_stats(grads))
+        if self.rec.policy.snapshots(t, Kind.GRAD):
+            snaps = {}
+            for e, g in zip(self.train_entries, grads, strict=True):
+                if g is None:
+                    snaps[e.name] = np.zeros(e.shape, dtype=numpy_dtype_name(e.tensor().dtype))
+                else:
+                    snaps[e.name] = host_copy(
+                        g if e.permutation is None else g.permute(e.permutation)
+                    )
+            self._snaps[Kind.GRAD] = snaps
+
+    def _updates(self) -> None:
+        t = self.step_index
+        if self._theta is None or not self.rec.wants(t, Kind.UPDATE):
+            return
+        live = self._unique_train_tensors()
+        with torch.no_grad():
+            diff = torch._foreach_sub([p.detach() for p in live], self._theta)
+        by_id = {id(p): d for p, d in zip(live, diff, strict=True)}
+        ups = [e.part(by_id[id(e.tensor())]) for e in self.train_entries]
+        self._pending[Kind.UPDATE] = ([e.name for e in self.train_entries], S.raw_stats(ups))
+        if self.rec.policy.snapshots(t, Kind.UPDATE):
+            self._snaps[Kind.UPDATE] = {
+                e.name: host_copy(u if e.permutation is None else u.permute(e.permutation))
+                for e, u in zip(self.train_entries, ups, strict=True)
+            }
+
+    def _reduce_activations(self) -> None:
+        stash, self._act_stash = self._act_stash, []
+        raw = S.raw_stats([t for _, t in stash])
+        for i, (site, _) in enumerate(stash):
+            row = raw[i : i + 1]
+            prev = self._act_raw.get(site.name)
+            self._act_raw[site.name] = row if prev is None else S.merge_raw(prev, row)
+
+    def _activations(self) -> None:
+        t = self.step_index
+        if not self._act_on:
+            return
+        if self._act_stash:
+            self._reduce_activations()
+        if not self._act_raw:
+            return
+        if self._act_declared is None:
+            specs = []
+            for name, (site, mod, out) in sorted(self._act_shapes.items()):
+                perm = activation_permutation(mod, out)
+                src = [None, *out.shape[1:]]
+                shape = src if perm is None else [src[i] for i in perm]
+                specs.append(
+                    TensorSpec(
+                        name=name,
+                        kind=Kind.ACTIVATION,
+                        role="output",
+                        layer=site.layer,
+                        layer_kind=site.layer_kind,
+                        dtype=numpy_dtype_name(out.dtype),
+                        shape=shape,
+                        source_name=f"{site.source_name}:output",
+                        source_shape=src,
+                        permutation=list(perm) if perm is not None else None,
+                    )
+                )
+            self.rec.declare(specs)
+            self._act_declared = sorted(self._act_shapes)
+        names = self._act_declared
+        for extra in set(self._act_raw) - set(names):
+            if extra not in self._act_warned:
+                self._act_warned.add(extra)
+                warnings.warn(
+                    f"traintape.torch: activation {extra!r} first appeared after the "
+                    f"activation set was declared; it is not recorded",
+                    stacklevel=2,
+                )
+        device = next(iter(self._act_raw.values())).device
+        empty = S.empty_raw(1, device)
+        rows = [self._act_raw.get(n, empty) for n in names]
+        self._pending[Kind.ACTIVATION] = (names, torch.cat(rows))
+        snaps = self._snaps.get(Kind.ACTIVATION)
+        if snaps is not None and set(snaps) != set(names):
+            self._snaps.pop(Kind.ACTIVATION)
+        del t
+
+    def _end(self) -> None:
+        """Finish step ``step_index``: updates, activations, one transfer, record."""
+        self._updates()
+        self._activations()
+        pending, self._pending = self._pending, {}
+        snaps, self._snaps = self._snaps, {}
+        self._act_raw = {}
+        t = self.step_index
+        if pending:
+            kinds = list(pending)
+            mats = [pending[k][1] for k in kinds]
+            devices = {m.device for m in mats}
+            if len(devices) > 1:
+                mats = [m.cpu() for m in mats]
+            host = S.to_host(torch.cat(mats)) if len(mats) > 1 else S.to_host(mats[0])
+            vecs = S.finalize(host)
+            start = 0
+            for k, m in zip(kinds, mats, strict=True):
+                names = pending[k][0]
+                self.rec.record_stats(
+                    t, k, vecs[start : start + m.shape[0]], names=names, snapshots=snaps.get(k)
+                )
+                start += m.shape[0]
+        self.step_index = t + 1
+        self._boundary()
+
+
+def watch(
+    model: nn.Module,
+    recorder: Recorder,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    name_map: NameMap = None,
+    start_step: int = 0,
+    activations: bool = True,
+    probe: torch.Tensor | Sequence[Any] | None = None,
+) -> WatchHandle:
+    """Record ``model``'s params, grads, updates and activations into ``recorder``.
+
+    Args:
+        model: the torch module (not a ``torch.compile`` wrapper: watch, then compile).
+        recorder: the :class:`traintape.Recorder`; its policy decides steps and kinds.
+        optimizer: hooks on its ``step()`` mark step boundaries (θ_t before, θ_{t+1}
+            after). Without one, call ``handle.step()`` after each update.
+        name_map: mapping/callable renaming canonical names (see
+            :mod:`traintape.core.naming`).
+        start_step: optimizer step of the first recorded row (resume).
+        activations: record outputs of parametrised modules (``<layer>/output``).
+        probe: a fixed input (tensor or tuple of positional args) whose activations are
+            stored in full on full-capture steps (eval mode, no grad).
+
+    Returns:
+        a :class:`WatchHandle` (context manager); leaving it removes every hook.
+    """
+    return WatchHandle(
+        model,
+        recorder,
+        optimizer,
+        name_map=name_map,
+        start_step=start_step,
+        activations=activations,
+        probe=probe,
+    )
