@@ -1,0 +1,138 @@
+"""The capture engine shared by the tape, the optimizer observer and the Keras callback.
+
+Everything that touches tensors is written once for both modes:
+
+- eagerly, the step is a Python int, ``Recorder.wants`` decides and stats are computed
+  by TF ops then fetched;
+- inside ``tf.function`` the step is a tensor: ``step % every == 0`` gates a
+  ``tf.cond`` whose true branch computes every stat vector in the graph and hands
+  them (plus full tensors on full-capture steps only) to the host in **one**
+  ``tf.numpy_function`` call per emission.
+
+Tensor producers are passed as zero-argument callables so the work happens only
+inside the taken branch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from traintape.core.recorder import Recorder
+from traintape.schema import Kind
+
+from .stats import stat_matrix
+
+_log = logging.getLogger("traintape")
+TensorsFn = Callable[[], Sequence[Any]]
+
+
+@dataclass
+class Group:
+    """Tensors of one kind recorded together: ``fn()`` returns them in ``names`` order."""
+
+    kind: Kind
+    names: list[str]
+    fn: TensorsFn
+    snapshot: bool = True  # False: never pass full tensors (training-batch activations)
+    host_snapshots: Callable[[int], Mapping[str, np.ndarray] | None] | None = None
+    """Snapshots already on the host (probe-batch activations), looked up by step."""
+
+
+def _active(rec: Recorder, groups: Sequence[Group]) -> list[Group]:
+    return [g for g in groups if g.names and rec.policy.records_kind(g.kind)]
+
+
+def _host(rec: Recorder, groups: Sequence[Group], snap: list[bool]) -> Callable:
+    def fn(step: Any, *arrays: np.ndarray) -> np.int64:
+        try:
+            _record(step, arrays)
+        except Exception:
+            if rec.strict:
+                raise
+            _log.exception("traintape.tf: recording step %s failed (training goes on)", step)
+        return np.int64(0)
+
+    def _record(step: Any, arrays: Sequence[np.ndarray]) -> None:
+        s = int(step)
+        n = len(groups)
+        stats, rest = arrays[:n], list(arrays[n:])
+        for g, st, sn in zip(groups, stats, snap, strict=True):
+            kind, nm = g.kind, g.names
+            snaps = None
+            if sn:
+                snaps = {x: rest.pop(0) for x in nm}
+            elif g.host_snapshots is not None:
+                snaps = g.host_snapshots(s)
+            if not rec.policy.snapshots(s, kind):
+                snaps = None
+            rec.record_stats(s, kind, st, names=nm, snapshots=snaps)
+
+    return fn
+
+
+def emit(rec: Recorder, step: Any, groups: Sequence[Group]) -> Any:
+    """Record ``groups`` at optimizer ``step`` (int, or scalar tensor inside tf.function)."""
+    groups = _active(rec, groups)
+    if not groups:
+        return None
+    if tf.executing_eagerly():
+        return _emit_eager(rec, int(step), groups)
+    return _emit_graph(rec, tf.cast(step, tf.int64), groups)
+
+
+def _emit_eager(rec: Recorder, step: int, groups: Sequence[Group]) -> None:
+    for g in groups:
+        if not rec.wants(step, g.kind):
+            continue
+        ts = list(g.fn())
+        stats = stat_matrix(ts).numpy()
+        snaps = None
+        if g.snapshot and rec.policy.snapshots(step, g.kind):
+            snaps = {
+                n: np.asarray(tf.convert_to_tensor(t)) for n, t in zip(g.names, ts, strict=True)
+            }
+        rec.record_stats(step, g.kind, stats, names=g.names, snapshots=snaps)
+
+
+def _emit_graph(rec: Recorder, step: tf.Tensor, groups: Sequence[Group]) -> tf.Tensor:
+    pol = rec.policy
+    snap = [g.snapshot and g.kind in pol.snapshot_kinds for g in groups]
+
+    def taken() -> tf.Tensor:
+        tensors = [[tf.convert_to_tensor(t) for t in g.fn()] for g in groups]
+        stats = [stat_matrix(ts) for ts in tensors]
+        plain = _host(rec, groups, [False] * len(groups))
+
+        def stats_only() -> tf.Tensor:
+            return tf.numpy_function(plain, [step, *stats], tf.int64, stateful=True)
+
+        if pol.full_every is None or not any(snap):
+            return stats_only()
+        full = _host(rec, groups, snap)
+        flat = [t for ts, sn in zip(tensors, snap, strict=True) if sn for t in ts]
+
+        def with_full() -> tf.Tensor:
+            return tf.numpy_function(full, [step, *stats, *flat], tf.int64, stateful=True)
+
+        return tf.cond(tf.equal(step % pol.full_every, 0), with_full, stats_only)
+
+    return tf.cond(tf.equal(step % pol.every, 0), taken, lambda: tf.constant(0, tf.int64))
+
+
+def selected(rec: Recorder, entries: Sequence[Any]) -> list[Any]:
+    """Entries (anything with ``.name``) selected by the policy's include/exclude globs."""
+    return [e for e in entries if rec.policy.selects(e.name)]
+
+
+def declare(rec: Recorder, kind: Kind, entries: Sequence[Any]) -> None:
+    """Declare parameter-layout specs of ``entries`` for ``kind`` (idempotent)."""
+    from .canonical import entry_spec
+
+    if entries and rec.policy.records_kind(kind):
+        rec.declare([entry_spec(e, kind) for e in entries])

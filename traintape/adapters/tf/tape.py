@@ -1,0 +1,131 @@
+"""``traintape.tf.GradientTape``: a drop-in ``tf.GradientTape`` that records.
+
+``tape.gradient(loss, variables)`` returns exactly what ``tf.GradientTape.gradient``
+returns and records ``grad`` (∇L(θ_t)) and ``param`` (θ_t) of the watched variables in
+their canonical names/layouts, eagerly or inside ``tf.function`` (one host transfer per
+step, full tensors only on full-capture steps). With ``optimizer=`` the optimizer is
+observed too (:func:`~traintape.adapters.tf.optimizer.observe_optimizer`) so ``update``
+is recorded when it applies the gradients, and the step is ``optimizer.iterations``.
+
+Step: ``step=`` (int or scalar tensor) if given, else ``optimizer.iterations``, else a
+counter kept per recorder (a ``tf.Variable``) that advances by one per ``gradient`` call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+from traintape.core.naming import NameMap
+from traintape.core.recorder import Recorder
+from traintape.schema import Kind
+
+from .capture import Group, declare, emit
+from .optimizer import observe_optimizer, observer
+
+_COUNTERS: dict[int, tuple[Recorder, tf.Variable]] = {}
+
+
+def _counter(rec: Recorder) -> tf.Variable:
+    got = _COUNTERS.get(id(rec))
+    if got is None or got[0] is not rec:
+        with tf.init_scope():
+            v = tf.Variable(0, dtype=tf.int64, trainable=False, name="traintape_step")
+        got = (rec, v)
+        _COUNTERS[id(rec)] = got
+    return got[1]
+
+
+class GradientTape(tf.GradientTape):
+    """``tf.GradientTape`` that records ``param`` and ``grad`` at ``gradient()``.
+
+    Args:
+        recorder: the :class:`~traintape.Recorder`.
+        model: optional Keras model, for canonical layer paths (see
+            :mod:`traintape.adapters.tf.names`); without it names come from
+            ``variable.path`` (e.g. ``dense/kernel``).
+        optimizer: optional Keras optimizer; observed so ``update`` is recorded, and its
+            ``iterations`` is the step.
+        step: explicit optimizer step (int or scalar int tensor); overrides the others.
+        name_map: rename canonical names (mapping or callable; see core.naming).
+        persistent, watch_accessed_variables: as in ``tf.GradientTape``.
+    """
+
+    def __init__(
+        self,
+        recorder: Recorder,
+        *,
+        model: Any = None,
+        optimizer: Any = None,
+        step: Any = None,
+        name_map: NameMap = None,
+        persistent: bool = False,
+        watch_accessed_variables: bool = True,
+    ) -> None:
+        super().__init__(persistent=persistent, watch_accessed_variables=watch_accessed_variables)
+        self._tt_rec = recorder
+        self._tt_model = model
+        self._tt_opt = optimizer
+        self._tt_step = step
+        self._tt_map = name_map
+        recorder.set_producer(framework="tensorflow", framework_version=tf.__version__,
+                              adapter="traintape.tf")  # fmt: skip
+        if optimizer is not None:
+            obs = observer(optimizer)
+            if obs is None or obs.recorder is not recorder:
+                observe_optimizer(optimizer, recorder, model=model, name_map=name_map)
+
+    @tf.autograph.experimental.do_not_convert
+    def gradient(self, target: Any, sources: Any, output_gradients: Any = None,
+                 unconnected_gradients: Any = tf.UnconnectedGradients.NONE) -> Any:  # fmt: skip
+        """Exactly ``tf.GradientTape.gradient``; also records ``param`` and ``grad``."""
+        grads = super().gradient(target, sources, output_gradients=output_gradients,
+                                 unconnected_gradients=unconnected_gradients)  # fmt: skip
+        try:
+            self._record(sources, grads)
+        except Exception:
+            if self._tt_rec.strict:
+                raise
+            import logging
+
+            logging.getLogger("traintape").exception("traintape.tf: recording failed")
+        return grads
+
+    def _step(self) -> Any:
+        if self._tt_step is not None:
+            return self._tt_step
+        if self._tt_opt is not None:
+            it = self._tt_opt.iterations
+            return int(it.numpy()) if tf.executing_eagerly() else tf.identity(it.value)
+        c = _counter(self._tt_rec)
+        if tf.executing_eagerly():
+            s = int(c.numpy())
+            c.assign_add(1)
+            return s
+        s = tf.identity(c.read_value())
+        with tf.control_dependencies([s]):
+            c.assign_add(1)
+        return s
+
+    def _record(self, sources: Any, grads: Any) -> None:
+        from .names import variable_entries
+
+        rec = self._tt_rec
+        src = tf.nest.flatten(sources)
+        gs = tf.nest.flatten(grads)
+        per_var = variable_entries(src, self._tt_model, self._tt_map)
+        pairs = [(e, g) for es, g in zip(per_var, gs, strict=True) for e in es
+                 if g is not None and rec.policy.selects(e.name)]  # fmt: skip
+        step = self._step()
+        if not pairs:
+            return
+        ents = [e for e, _ in pairs]
+        declare(rec, Kind.PARAM, ents)
+        declare(rec, Kind.GRAD, ents)
+        names = [e.name for e in ents]
+        emit(rec, step, [
+            Group(Kind.PARAM, names, lambda: [e.read() for e in ents]),
+            Group(Kind.GRAD, names, lambda: [e.transform.tf(tf.convert_to_tensor(g))
+                                             for e, g in pairs]),
+        ])  # fmt: skip
