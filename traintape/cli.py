@@ -33,6 +33,25 @@ def _open(run: str):
 
 
 @app.command()
+def demo(
+    out: str = typer.Option("runs/demo", "--out", "-o", help="where to write the run"),
+    steps: int = typer.Option(300, min=1, help="optimizer steps to train"),
+    full_every: int = typer.Option(100, min=1, help="full snapshots every N steps"),
+    seed: int = typer.Option(0, help="random seed"),
+) -> None:
+    """Train a small Flax model on a synthetic task, recording every step into OUT."""
+    try:
+        import jax  # noqa: F401
+    except ImportError:
+        err.print('[red]error:[/red] the demo needs JAX: pip install "traintape[jax]"')
+        raise typer.Exit(2) from None
+    from traintape.demo import run_demo, summary
+
+    result = run_demo(out, steps, full_every=full_every, seed=seed, progress=True)
+    console.print(summary(result), highlight=False)
+
+
+@app.command()
 def schema(
     out: Path | None = typer.Option(None, "--out", "-o", help="write to a file instead"),
 ) -> None:

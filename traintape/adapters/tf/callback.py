@@ -96,7 +96,10 @@ class Callback(keras.callbacks.Callback):
                     continue
                 layer_name = canonical_name(path, None)
                 name = canonical_name([*path, "output"], self.name_map)
-                if layer_name in owners or name.rpartition("/")[0] in owners:
+                if isinstance(layer, keras.layers.MultiHeadAttention):
+                    # its tensors live on the q/k/v/o sub-layers; the output is the layer's
+                    self._wrap(layer, name, "attention")
+                elif layer_name in owners or name.rpartition("/")[0] in owners:
                     kind = next((e.layer_kind for e in entries if e.layer == layer_name), None)
                     self._wrap(layer, name, kind)
             obs.extra.append(self._activation_groups)

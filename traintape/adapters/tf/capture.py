@@ -26,7 +26,7 @@ import tensorflow as tf
 from traintape.core.recorder import Recorder
 from traintape.schema import Kind
 
-from .stats import stat_matrix
+from .stats import host_stat_matrix, host_stats_enabled, stat_matrix
 
 _log = logging.getLogger("traintape")
 TensorsFn = Callable[[], Sequence[Any]]
@@ -48,7 +48,18 @@ def _active(rec: Recorder, groups: Sequence[Group]) -> list[Group]:
     return [g for g in groups if g.names and rec.policy.records_kind(g.kind)]
 
 
-def _host(rec: Recorder, groups: Sequence[Group], snap: list[bool]) -> Callable:
+def _fused_matrix(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    from traintape.core.fused import fused_stat_vectors
+
+    return fused_stat_vectors(arrays)
+
+
+def _host(
+    rec: Recorder, groups: Sequence[Group], snap: list[bool], on_host: bool = False
+) -> Callable:
+    """Host callback. ``on_host``: the arguments are the full tensors of every group
+    (in group order, snapshots taken from them where ``snap``), not stat matrices."""
+
     def fn(step: Any, *arrays: np.ndarray) -> np.int64:
         try:
             _record(step, arrays)
@@ -61,6 +72,19 @@ def _host(rec: Recorder, groups: Sequence[Group], snap: list[bool]) -> Callable:
     def _record(step: Any, arrays: Sequence[np.ndarray]) -> None:
         s = int(step)
         n = len(groups)
+        if on_host:  # full tensors came over: stats on the host with the fused kernel
+            k = 0
+            for g, sn in zip(groups, snap, strict=True):
+                m = len(g.names)
+                part = arrays[k : k + m]
+                k += m
+                snaps = None
+                if sn and rec.policy.snapshots(s, g.kind):
+                    snaps = {x: np.array(a, copy=True) for x, a in zip(g.names, part, strict=True)}
+                elif g.host_snapshots is not None and rec.policy.snapshots(s, g.kind):
+                    snaps = g.host_snapshots(s)
+                rec.record_stats(s, g.kind, _fused_matrix(part), names=g.names, snapshots=snaps)
+            return
         stats, rest = arrays[:n], list(arrays[n:])
         for g, st, sn in zip(groups, stats, snap, strict=True):
             kind, nm = g.kind, g.names
@@ -91,7 +115,7 @@ def _emit_eager(rec: Recorder, step: int, groups: Sequence[Group]) -> None:
         if not rec.wants(step, g.kind):
             continue
         ts = list(g.fn())
-        stats = stat_matrix(ts).numpy()
+        stats = host_stat_matrix(ts) if host_stats_enabled() else stat_matrix(ts).numpy()
         snaps = None
         if g.snapshot and rec.policy.snapshots(step, g.kind):
             snaps = {
@@ -106,6 +130,12 @@ def _emit_graph(rec: Recorder, step: tf.Tensor, groups: Sequence[Group]) -> tf.T
 
     def taken() -> tf.Tensor:
         tensors = [[tf.convert_to_tensor(t) for t in g.fn()] for g in groups]
+        if host_stats_enabled():
+            # CPU only: the tensors cross to numpy without a device copy and one fused
+            # C pass per tensor beats TF's multi-op stat graph (see stats.py).
+            flat_all = [t for ts in tensors for t in ts]
+            host = _host(rec, groups, snap, on_host=True)
+            return tf.numpy_function(host, [step, *flat_all], tf.int64, stateful=True)
         stats = [stat_matrix(ts) for ts in tensors]
         plain = _host(rec, groups, [False] * len(groups))
 

@@ -138,3 +138,39 @@ def stat_matrix(tensors: Sequence[Any]) -> tf.Tensor:
             n = f.shape.num_elements()
             rows[i] = _fast_vector(f) if n is not None and n >= _FAST_MIN else stat_vector(f)
     return tf.stack(rows)
+
+
+def host_stats_enabled() -> bool:
+    """Compute stats on the host with the fused C kernel (:mod:`traintape.core.fused`)
+    instead of the TF op graph: only when the kernel compiled and TF sees no GPU (on
+    CPU the tensors reach numpy without a device copy; one fused pass per tensor is
+    several times cheaper than the graph of reductions below). Measured in
+    ``benchmarks/tf_overhead.py``. ``TRAINTAPE_TF_GRAPH_STATS=1`` forces the graph path."""
+    global _HOST
+    if _HOST is None:
+        import os
+
+        from traintape.core import fused
+
+        _HOST = (
+            not os.environ.get("TRAINTAPE_TF_GRAPH_STATS")
+            and fused.available()
+            and not tf.config.list_logical_devices("GPU")
+        )
+    return _HOST
+
+
+_HOST: bool | None = None
+
+
+def host_stat_matrix(tensors: Sequence[Any]) -> np.ndarray:
+    """Stat vectors ``[n, 9]`` float64 of eager tensors via the host fused kernel
+    (IndexedSlices densified; float16/bfloat16 converted to float32)."""
+    from traintape.core.fused import fused_stat_vectors
+
+    arrays = []
+    for t in tensors:
+        if isinstance(t, tf.IndexedSlices):
+            t = tf.convert_to_tensor(t)
+        arrays.append(np.asarray(t.numpy() if hasattr(t, "numpy") else t))
+    return fused_stat_vectors(arrays)

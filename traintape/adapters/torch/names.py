@@ -24,7 +24,9 @@ MultiheadAttention                   ``q/kernel``, ``k/kernel``, ``v/kernel`` (i
                                      = row blocks of ``in_proj_weight`` transposed (or
                                      ``{q,k,v}_proj_weight``.T), ``{q,k,v}/bias`` = blocks
                                      of ``in_proj_bias``; ``out_proj`` → ``o/kernel``,
-                                     ``o/bias``; ``bias_k``/``bias_v`` kept generic
+                                     ``o/bias``; ``bias_k``/``bias_v`` kept generic.
+                                     The q/k/v/o sub-layers are ``dense`` layers;
+                                     ``<attn>/output`` has layer kind ``attention``
 LSTM, GRU                            per layer ``kernel_ih`` (in, G*hidden) =
                                      weight_ih_l{k}.T, ``kernel_hh`` (hidden, G*hidden),
                                      ``bias_ih``, ``bias_hh`` (G*hidden,); gate order is
@@ -326,20 +328,20 @@ def _attention(b: _Builder, mod: nn.MultiheadAttention, segs: list[str], pre: st
     if mod._qkv_same_embed_dim:
         for i, p in enumerate(R.ATTENTION_PROJECTIONS[:3]):
             rows = (i * e, (i + 1) * e)
-            b.add([*segs, p], R.KERNEL, R.ATTENTION, mod, "in_proj_weight",
+            b.add([*segs, p], R.KERNEL, R.DENSE, mod, "in_proj_weight",
                   pre + "in_proj_weight", (1, 0), rows)  # fmt: skip
     else:
         for p in R.ATTENTION_PROJECTIONS[:3]:
             attr = f"{p}_proj_weight"
-            b.add([*segs, p], R.KERNEL, R.ATTENTION, mod, attr, pre + attr, (1, 0))
+            b.add([*segs, p], R.KERNEL, R.DENSE, mod, attr, pre + attr, (1, 0))
     if mod.in_proj_bias is not None:
         for i, p in enumerate(R.ATTENTION_PROJECTIONS[:3]):
             rows = (i * e, (i + 1) * e)
-            b.add([*segs, p], R.BIAS, R.ATTENTION, mod, "in_proj_bias",
+            b.add([*segs, p], R.BIAS, R.DENSE, mod, "in_proj_bias",
                   pre + "in_proj_bias", None, rows)  # fmt: skip
     o = mod.out_proj
-    b.add([*segs, "o"], R.KERNEL, R.ATTENTION, o, "weight", pre + "out_proj.weight", (1, 0))
-    b.add([*segs, "o"], R.BIAS, R.ATTENTION, o, "bias", pre + "out_proj.bias", None)
+    b.add([*segs, "o"], R.KERNEL, R.DENSE, o, "weight", pre + "out_proj.weight", (1, 0))
+    b.add([*segs, "o"], R.BIAS, R.DENSE, o, "bias", pre + "out_proj.bias", None)
     for extra in ("bias_k", "bias_v"):
         b.add(segs, extra, R.ATTENTION, mod, extra, pre + extra, None)
 

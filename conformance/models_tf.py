@@ -1,0 +1,114 @@
+"""The conformance models in Keras 3 / TensorFlow (layer names = canonical layer names).
+
+Trained with ``model.fit`` and ``traintape.keras.Callback`` (param, grad, update and
+activation capture; probe activations snapshotted on full-capture steps).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from conformance import spec as S
+
+
+def _keras(dtype: str) -> Any:
+    os.environ.setdefault("TF_DETERMINISTIC_OPS", "1")
+    import keras
+    import tensorflow as tf
+
+    tf.config.experimental.enable_tensor_float_32_execution(False)
+    tf.config.experimental.enable_op_determinism()
+    keras.config.set_floatx(dtype)
+    keras.utils.set_random_seed(0)
+    return keras
+
+
+def _gelu(keras: Any) -> Any:
+    ops = keras.ops
+
+    def gelu(x: Any) -> Any:  # tanh approximation with the conformance constants
+        return 0.5 * x * (1.0 + ops.tanh(S.GELU_C * (x + S.GELU_A * x * x * x)))
+
+    return gelu
+
+
+def build(model_name: str, dtype: str = "float32") -> Any:
+    """The Keras functional model ``model_name`` (built, weights not yet loaded)."""
+    keras = _keras(dtype)
+    L = keras.layers
+    if model_name == "mlp":
+        x = keras.Input((S.MLP_IN,), dtype=dtype)
+        # activations as separate layers: ``fc1/output`` is the Dense output (pre-tanh),
+        # as in torch and Flax; a fused ``activation=`` would record it post-tanh
+        h = L.Activation("tanh", name="tanh")(L.Dense(S.MLP_HIDDEN, name="fc1")(x))
+        out = L.Dense(S.MLP_OUT, name="head")(h)
+    elif model_name == "cnn":
+        x = keras.Input((S.CNN_HW, S.CNN_HW, S.CNN_C), dtype=dtype)
+        h = L.ZeroPadding2D(1, name="pad1")(x)  # explicit symmetric padding 1
+        h = L.Conv2D(S.CNN_F1, 3, padding="valid", use_bias=False, name="conv1")(h)
+        h = L.BatchNormalization(momentum=S.BN_MOMENTUM_KERAS, epsilon=S.BN_EPS, name="bn1")(h)
+        h = L.ReLU(name="relu1")(h)
+        h = L.AveragePooling2D(2, name="pool1")(h)
+        h = L.GlobalAveragePooling2D(name="gap")(h)
+        out = L.Dense(S.CNN_OUT, name="head")(h)
+    elif model_name == "transformer":
+        x = keras.Input((S.TF_T,), dtype="int32")
+        e = L.Embedding(S.TF_VOCAB, S.TF_D, name="emb")(x)
+        h = L.LayerNormalization(epsilon=S.LN_EPS, name="ln1")(e)
+        a = L.MultiHeadAttention(S.TF_HEADS, S.TF_D // S.TF_HEADS, use_bias=False, name="attn")(
+            h, h, h
+        )
+        r = L.Add(name="res1")([e, a])
+        h = L.LayerNormalization(epsilon=S.LN_EPS, name="ln2")(r)
+        h = L.Dense(S.TF_FF, name="fc1")(h)
+        h = L.Activation(_gelu(keras), name="gelu")(h)
+        h = L.Dense(S.TF_D, name="fc2")(h)
+        r = L.Add(name="res2")([r, h])
+        out = L.Dense(S.TF_OUT, name="head")(L.GlobalAveragePooling1D(name="mean")(r))
+    elif model_name == "gru":
+        x = keras.Input((S.GRU_T, S.GRU_IN), dtype=dtype)
+        seq = L.GRU(S.GRU_H, return_sequences=True, reset_after=True, name="gru")(x)
+        last = L.Lambda(lambda s: s[:, -1], name="last")(seq)
+        out = L.Dense(S.GRU_OUT, name="head")(last)
+    else:
+        raise KeyError(model_name)
+    return keras.Model(x, out, name=model_name)
+
+
+def _optimizer(keras: Any, name: str) -> Any:
+    if name == "sgd":
+        return keras.optimizers.SGD(learning_rate=S.LR, momentum=S.MOMENTUM)
+    if name == "adam":  # epsilon placement differs from torch/optax: see README
+        return keras.optimizers.Adam(S.ADAM_LR, beta_1=S.ADAM_B1, beta_2=S.ADAM_B2,
+                                     epsilon=S.ADAM_EPS)  # fmt: skip
+    raise ValueError(name)
+
+
+def train(
+    model_name: str, url: str, dtype: str, steps: int = S.STEPS, optimizer: str = "sgd"
+) -> None:
+    """Train ``model_name`` for ``steps`` SGD-momentum steps with ``fit``, recording."""
+    keras = _keras(dtype)
+    import traintape.keras as ttk
+    from conformance.policy import recorder
+
+    model = build(model_name, dtype)
+    ttk.from_canonical(model, S.initial_weights(model_name, dtype), strict=True)
+    x, y = S.batches(model_name, dtype)
+    model.compile(
+        optimizer=_optimizer(keras, optimizer),
+        loss="mse",
+    )
+    probe = S.probe(model_name, dtype)
+    with recorder(url, model_name) as rec:
+        cb = ttk.Callback(rec, probe=probe, metrics=False)
+        model.fit(
+            x[:steps].reshape(-1, *x.shape[2:]),
+            y[:steps].reshape(-1, *y.shape[2:]),
+            batch_size=S.BATCH,
+            epochs=1,
+            shuffle=False,
+            verbose=0,
+            callbacks=[cb],
+        )

@@ -1,0 +1,161 @@
+"""The conformance models in PyTorch (module attribute names = canonical layer names).
+
+Inputs arrive channels-last (canonical); the CNN permutes to NCHW itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conformance import spec as S
+
+
+class BiasedBatchNorm2d(nn.BatchNorm2d):
+    """BatchNorm2d whose running variance is updated with the *biased* batch variance.
+
+    torch's BatchNorm updates ``running_var`` with the unbiased variance (n/(n-1)),
+    Keras and Flax with the biased one (the one used to normalise). This is a genuine
+    difference of the frameworks' BatchNorm, not of the adapters; the conformance CNN
+    uses Keras/Flax's convention in torch so the running statistics can be compared.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return super().forward(x)
+        mean = x.mean(dim=(0, 2, 3))
+        var = x.var(dim=(0, 2, 3), unbiased=False)
+        with torch.no_grad():
+            m = self.momentum
+            self.running_mean.mul_(1 - m).add_(mean.detach(), alpha=m)
+            self.running_var.mul_(1 - m).add_(var.detach(), alpha=m)
+        xhat = (x - mean[None, :, None, None]) / torch.sqrt(var[None, :, None, None] + self.eps)
+        return xhat * self.weight[None, :, None, None] + self.bias[None, :, None, None]
+
+
+def gelu(x: torch.Tensor) -> torch.Tensor:
+    """GELU, tanh approximation, with the conformance constants (see spec.GELU_C)."""
+    return 0.5 * x * (1.0 + torch.tanh(S.GELU_C * (x + S.GELU_A * x * x * x)))
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(S.MLP_IN, S.MLP_HIDDEN)
+        self.head = nn.Linear(S.MLP_HIDDEN, S.MLP_OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.fc1(x)))
+
+
+class CNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(S.CNN_C, S.CNN_F1, 3, padding=1, bias=False)  # explicit padding 1
+        self.bn1 = BiasedBatchNorm2d(S.CNN_F1, eps=S.BN_EPS, momentum=S.BN_MOMENTUM_TORCH)
+        self.head = nn.Linear(S.CNN_F1, S.CNN_OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(x.permute(0, 3, 1, 2))  # NHWC -> NCHW
+        h = F.avg_pool2d(F.relu(self.bn1(h)), 2)
+        return self.head(h.mean(dim=(2, 3)))
+
+
+class Transformer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(S.TF_VOCAB, S.TF_D)
+        self.ln1 = nn.LayerNorm(S.TF_D, eps=S.LN_EPS)
+        self.attn = nn.MultiheadAttention(S.TF_D, S.TF_HEADS, bias=False, batch_first=True)
+        self.ln2 = nn.LayerNorm(S.TF_D, eps=S.LN_EPS)
+        self.fc1 = nn.Linear(S.TF_D, S.TF_FF)
+        self.fc2 = nn.Linear(S.TF_FF, S.TF_D)
+        self.head = nn.Linear(S.TF_D, S.TF_OUT)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens.long())
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        h = self.ln2(x)
+        x = x + self.fc2(gelu(self.fc1(h)))
+        return self.head(x.mean(dim=1))
+
+
+class GRUModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru = nn.GRU(S.GRU_IN, S.GRU_H, batch_first=True)
+        self.head = nn.Linear(S.GRU_H, S.GRU_OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seq, _ = self.gru(x)
+        return self.head(seq[:, -1])
+
+
+BUILDERS = {"mlp": MLP, "cnn": CNN, "transformer": Transformer, "gru": GRUModel}
+
+
+def train(
+    model_name: str,
+    url: str,
+    dtype: str,
+    steps: int = S.STEPS,
+    *,
+    weights: dict[str, Any] | None = None,
+    mutate: Callable[[nn.Module], None] | None = None,
+    boundaries: str = "step",
+    optimizer: str = "sgd",
+) -> None:
+    """Train ``model_name`` for ``steps`` SGD-momentum steps, recording into ``url``.
+
+    ``boundaries``: ``'step'`` (default) watches without the optimizer and calls
+    ``handle.step()`` after each update, so step t's ``param`` — BatchNorm running
+    statistics included — is taken before batch t's forward pass, as Keras and JAX
+    record it; ``'optimizer'`` uses the optimizer step hooks, which (traintape 0.1)
+    read running statistics *after* batch t's forward pass (a reported gap, see
+    ``conformance.known``). ``weights`` (default :func:`conformance.spec.initial_weights`)
+    and ``mutate`` (called on the loaded model) exist for the negative controls.
+    """
+    import traintape.torch as ttt
+    from conformance.policy import recorder
+
+    torch.manual_seed(0)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    tdt = getattr(torch, dtype)
+    model = BUILDERS[model_name]().to(tdt)
+    w = S.initial_weights(model_name, dtype) if weights is None else weights
+    ttt.from_canonical(model, w, strict=True)
+    if mutate is not None:
+        mutate(model)
+    x, y = S.batches(model_name, dtype)
+    if optimizer == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=S.LR, momentum=S.MOMENTUM)
+    elif optimizer == "adam":
+        opt = torch.optim.Adam(model.parameters(), lr=S.ADAM_LR, betas=(S.ADAM_B1, S.ADAM_B2),
+                               eps=S.ADAM_EPS)  # fmt: skip
+    else:
+        raise ValueError(optimizer)
+    probe = torch.from_numpy(S.probe(model_name, dtype))
+    if boundaries not in ("step", "optimizer"):
+        raise ValueError(boundaries)
+    hooked = opt if boundaries == "optimizer" else None
+    with (
+        recorder(url, model_name) as rec,
+        ttt.watch(model, rec, optimizer=hooked, probe=probe) as handle,
+    ):
+        model.train()
+        for t in range(steps):
+            opt.zero_grad()
+            out = model(torch.from_numpy(x[t]))
+            loss = F.mse_loss(out, torch.from_numpy(y[t]))
+            loss.backward()
+            opt.step()
+            if hooked is None:
+                handle.step()

@@ -1,0 +1,205 @@
+"""Framework-independent definition of the conformance models: canonical tensor names,
+shapes, the seeded initial weights, the batches and the training hyper-parameters.
+
+Everything here is numpy only. Each framework module (:mod:`conformance.models_torch`,
+:mod:`conformance.models_tf`, :mod:`conformance.models_jax`) builds the *same* model from
+these names and loads :func:`initial_weights` through its adapter's ``from_canonical``
+(strict: every name and shape must match, or loading fails).
+
+Shapes are canonical (DESIGN): dense kernel (in, out); conv kernel (kh, kw, in, out);
+activations channels-last; recurrent kernels (in, 3*hidden) in GRU gate order r, z, n.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+SEED = 20261122
+STEPS = 20
+"""Optimizer steps per run (t = 0 .. STEPS-1)."""
+FULL_EVERY = 10
+"""Full snapshots (param, grad, update, probe activations) on steps 0 and 10."""
+# Every hyper-parameter is a dyadic rational, exact in float32: frameworks differ in the
+# dtype they hold constants in (Keras casts SGD ``momentum`` through float32 even in a
+# float64 model, which alone puts 1e-8 relative error into every float64 update).
+LR = 0.0625
+MOMENTUM = 0.875
+LN_EPS = 2.0**-17
+"""LayerNorm epsilon (≈ 7.6e-6), set explicitly in every framework."""
+BN_EPS = 2.0**-10
+"""BatchNorm epsilon (≈ 9.8e-4), set explicitly in every framework."""
+BN_MOMENTUM_TORCH = 0.125
+"""torch ``momentum`` m (new = (1-m) old + m batch) ⇔ Keras/Flax ``momentum`` 1 - m."""
+BN_MOMENTUM_KERAS = 1.0 - BN_MOMENTUM_TORCH
+ADAM_LR = 2.0**-7
+ADAM_B1 = 0.875
+ADAM_B2 = 1.0 - 2.0**-7
+ADAM_EPS = 2.0**-10
+"""Adam (torch ``Adam`` ⇔ ``optax.adam``: θ −= lr·m̂/(√v̂ + ε) in both). Keras Adam adds ε
+to the *uncorrected* √v, so it is not run with Adam (see README). For a gradient element
+|g| ≪ ε the update is ≈ lr·g/ε: Adam amplifies the gradient's rounding noise by lr/ε
+(8192 with ε = 2⁻²⁰, which put float32 update errors at 1e-6); ε = 2⁻¹⁰ keeps it at 8."""
+GELU_C = math.sqrt(2.0 / math.pi)
+GELU_A = 0.044715
+"""GELU, tanh approximation, written out with these Python-float constants in every
+framework: ``0.5·x·(1 + tanh(GELU_C·(x + GELU_A·x³)))``. The built-ins differ in the
+precision of their constants (in float64, torch's and TF's tanh-GELU disagree by 1e-10)."""
+
+# tiny sizes: the whole matrix must run in a few minutes on 2 CPU cores
+BATCH = 8
+MLP_IN, MLP_HIDDEN, MLP_OUT = 8, 16, 4
+CNN_HW, CNN_C, CNN_F1, CNN_OUT = 8, 3, 4, 3
+TF_VOCAB, TF_T, TF_D, TF_HEADS, TF_FF, TF_OUT = 16, 6, 8, 2, 16, 3
+GRU_T, GRU_IN, GRU_H, GRU_OUT = 5, 3, 6, 2
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One conformance model: canonical parameter shapes, input/target shapes."""
+
+    name: str
+    params: dict[str, tuple[int, ...]]
+    input_shape: tuple[int, ...]
+    """Per-batch input shape (batch first, channels-last)."""
+    target_shape: tuple[int, ...]
+    int_input: int | None = None
+    """Vocabulary size when the input is token ids (int32), else None (float)."""
+    buffers: tuple[str, ...] = field(default=())
+    """Non-trainable recorded tensors (BatchNorm running statistics)."""
+
+
+def _dense(name: str, i: int, o: int) -> dict[str, tuple[int, ...]]:
+    return {f"{name}/kernel": (i, o), f"{name}/bias": (o,)}
+
+
+def _norm(name: str, d: int) -> dict[str, tuple[int, ...]]:
+    return {f"{name}/scale": (d,), f"{name}/bias": (d,)}
+
+
+MLP = ModelSpec(
+    "mlp",
+    {**_dense("fc1", MLP_IN, MLP_HIDDEN), **_dense("head", MLP_HIDDEN, MLP_OUT)},
+    (BATCH, MLP_IN),
+    (BATCH, MLP_OUT),
+)
+
+CNN = ModelSpec(
+    "cnn",
+    {
+        "conv1/kernel": (3, 3, CNN_C, CNN_F1),  # no bias: BatchNorm follows
+        **_norm("bn1", CNN_F1),
+        "bn1/running_mean": (CNN_F1,),
+        "bn1/running_var": (CNN_F1,),
+        **_dense("head", CNN_F1, CNN_OUT),
+    },
+    (BATCH, CNN_HW, CNN_HW, CNN_C),
+    (BATCH, CNN_OUT),
+    buffers=("bn1/running_mean", "bn1/running_var"),
+)
+
+TRANSFORMER = ModelSpec(
+    "transformer",
+    {
+        "emb/embedding": (TF_VOCAB, TF_D),
+        **_norm("ln1", TF_D),
+        # bias-free attention: the key bias has an identically zero gradient (softmax is
+        # shift-invariant), so its recorded grad is pure rounding noise
+        **{f"attn/{p}/kernel": (TF_D, TF_D) for p in "qkvo"},
+        **_norm("ln2", TF_D),
+        **_dense("fc1", TF_D, TF_FF),
+        **_dense("fc2", TF_FF, TF_D),
+        **_dense("head", TF_D, TF_OUT),
+    },
+    (BATCH, TF_T),
+    (BATCH, TF_OUT),
+    int_input=TF_VOCAB,
+)
+
+GRU = ModelSpec(
+    "gru",
+    {
+        "gru/kernel_ih": (GRU_IN, 3 * GRU_H),
+        "gru/kernel_hh": (GRU_H, 3 * GRU_H),
+        "gru/bias_ih": (3 * GRU_H,),
+        "gru/bias_hh": (3 * GRU_H,),
+        **_dense("head", GRU_H, GRU_OUT),
+    },
+    (BATCH, GRU_T, GRU_IN),
+    (BATCH, GRU_OUT),
+)
+
+MODELS: dict[str, ModelSpec] = {m.name: m for m in (MLP, CNN, TRANSFORMER, GRU)}
+
+FORWARD_ORDER: dict[str, list[str]] = {
+    "mlp": ["fc1", "head"],
+    "cnn": ["conv1", "bn1", "head"],
+    "transformer": ["emb", "ln1", "attn/q", "attn/k", "attn/v", "attn/o", "attn", "ln2",
+                    "fc1", "fc2", "head"],
+    "gru": ["gru", "head"],
+}  # fmt: skip
+"""Layer paths in forward order, written to every store's ``manifest.user['forward_order']``
+so ``compare`` can name the *first* layer that diverged (no adapter records it yet)."""
+
+
+def dtype_of(config: str) -> str:
+    """``'float64+adam'`` → ``'float64'`` (a config is a dtype, optionally ``+adam``)."""
+    return config.partition("+")[0]
+
+
+def optimizer_of(config: str) -> str:
+    """``'float64+adam'`` → ``'adam'``; a bare dtype → ``'sgd'`` (SGD with momentum)."""
+    return config.partition("+")[2] or "sgd"
+
+
+def _rng(*keys: str | int) -> np.random.Generator:
+    ints = [k if isinstance(k, int) else zlib.crc32(k.encode()) for k in keys]
+    return np.random.default_rng([SEED, *ints])
+
+
+def initial_weights(model: str, dtype: str = "float32") -> dict[str, np.ndarray]:
+    """Canonical initial weights of ``model``: a pure function of (SEED, model, name).
+
+    Kernels ~ N(0, 1/fan_in) (fan_in = product of all but the last axis), embeddings
+    N(0, 1), norm scales 1 + N(0, 0.1²), biases N(0, 0.1²), running mean 0, var 1.
+    """
+    spec = MODELS[model]
+    out: dict[str, np.ndarray] = {}
+    for name, shape in spec.params.items():
+        role = name.rpartition("/")[2]
+        r = _rng(model, name)
+        if role in ("kernel", "kernel_ih", "kernel_hh"):
+            fan_in = int(np.prod(shape[:-1]))
+            x = r.normal(0.0, 1.0 / np.sqrt(fan_in), shape)
+        elif role == "embedding":
+            x = r.normal(0.0, 1.0, shape)
+        elif role == "scale":
+            x = 1.0 + r.normal(0.0, 0.1, shape)
+        elif role == "running_mean":
+            x = np.zeros(shape)
+        elif role == "running_var":
+            x = np.ones(shape)
+        else:
+            x = r.normal(0.0, 0.1, shape)
+        out[name] = x.astype(dtype)
+    return out
+
+
+def batches(model: str, dtype: str = "float32") -> tuple[np.ndarray, np.ndarray]:
+    """Inputs [STEPS, *input_shape] and targets [STEPS, *target_shape] (batch t = row t)."""
+    spec = MODELS[model]
+    r = _rng(model, "data")
+    if spec.int_input is not None:
+        x = r.integers(0, spec.int_input, (STEPS, *spec.input_shape)).astype(np.int32)
+    else:
+        x = r.normal(0.0, 1.0, (STEPS, *spec.input_shape)).astype(dtype)
+    y = r.normal(0.0, 1.0, (STEPS, *spec.target_shape)).astype(dtype)
+    return x, y
+
+
+def probe(model: str, dtype: str = "float32") -> np.ndarray:
+    """The fixed input whose activations are snapshotted on full-capture steps."""
+    return batches(model, dtype)[0][0]

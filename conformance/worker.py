@@ -1,0 +1,52 @@
+"""Run one framework's conformance trainings in this process (called in a subprocess).
+
+``python -m conformance.worker FRAMEWORK CONFIG OUT_DIR [MODEL ...]`` writes one store per
+model to ``OUT_DIR/<config>/<framework>/<model>``; CONFIG is a dtype (``float32``,
+``float64``: SGD with momentum) or a dtype with ``+adam``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from conformance import spec as S
+
+FRAMEWORKS = ("torch", "tf", "jax-linen", "jax-nnx")
+
+
+def train(framework: str, model: str, url: str, config: str) -> None:
+    """Train one conformance model in one framework into the store ``url``."""
+    dtype, opt = S.dtype_of(config), S.optimizer_of(config)
+    if framework == "torch":
+        from conformance import models_torch as M
+    elif framework == "tf":
+        from conformance import models_tf as M  # type: ignore[no-redef]
+    elif framework == "jax-linen":
+        from conformance import models_jax
+
+        models_jax.train(model, url, dtype, "linen", optimizer=opt)
+        return
+    elif framework == "jax-nnx":
+        from conformance import models_jax
+
+        models_jax.train(model, url, dtype, "nnx", optimizer=opt)
+        return
+    else:
+        raise KeyError(framework)
+    M.train(model, url, dtype, optimizer=opt)
+
+
+def store_path(root: str | Path, framework: str, model: str, dtype: str) -> Path:
+    return Path(root) / dtype / framework / model
+
+
+def main(argv: list[str]) -> int:
+    framework, dtype, out, *models = argv
+    for m in models or list(S.MODELS):
+        train(framework, m, str(store_path(out, framework, m, dtype)), dtype)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,254 @@
+"""``traintape.jax.value_and_grad`` and ``nnx_value_and_grad``: drop-in gradient wrappers.
+
+Step accounting (DESIGN: step t counts completed optimizer steps from 0):
+
+- **automatic** (default): every *executed* call is one step, numbered on the host in
+  callback order from ``start_step`` (also per iteration inside ``lax.scan``/``fori_loop``:
+  one executed call = one step). On full-capture policies the step is fetched from the
+  host with one tiny ordered callback so the device can decide whether to ship tensors.
+- **explicit**: ``step_kwarg="step"`` makes the wrapped function take ``step=`` (a Python
+  int or an integer array, e.g. ``state.step``); it is removed before calling ``fun``.
+  Steps must not go backwards.
+- **gradient accumulation** (k calls per optimizer step): record where the accumulated
+  gradient exists — ``traintape.jax.watch(tx, rec, kinds=("param", "grad", "update"),
+  accumulate=k)`` applies ``tx`` once per k calls to the mean of the k micro-batch
+  gradients and records it as ``grad`` of that optimizer step. Use plain
+  ``jax.value_and_grad`` for the micro-batches.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+
+from traintape.core import Recorder
+from traintape.core.naming import NameMap
+from traintape.schema import Kind
+
+from .capture import Group, StepCounter, emit
+from .flax import Activations, linen_activations, nnx_capture
+from .names import named_leaves
+
+
+def _set_producer(recorder: Recorder) -> None:
+    recorder.set_producer(
+        framework="jax", framework_version=jax.__version__, adapter="traintape.jax"
+    )
+
+
+def _wrap_for_activations(
+    fun: Callable[..., Any], has_aux: bool, sink: Activations, linen: bool
+) -> Callable[..., Any]:
+    """fun → fun2 returning (value, (aux, activations)) so activations leave the AD trace."""
+
+    def fun2(*args: Any, **kwargs: Any) -> Any:
+        sink.items.clear()
+        if linen:
+            with linen_activations(sink):
+                out = fun(*args, **kwargs)
+        else:
+            out = fun(*args, **kwargs)
+        value, aux = out if has_aux else (out, None)
+        acts = {n: a for n, (a, _, _) in sink.items.items()}
+        return value, (aux, acts)
+
+    return fun2
+
+
+def _record(
+    recorder: Recorder,
+    params: Any,
+    grads: Any,
+    acts: dict[str, jax.Array],
+    sink: Activations,
+    *,
+    argnums: int | Sequence[int],
+    name_map: NameMap,
+    step: Any,
+    counter: StepCounter,
+    layer_kinds: dict[str, str | None] | None = None,
+    probe: Callable[[], dict[str, jax.Array]] | None = None,
+) -> None:
+    if isinstance(argnums, int):
+        p_leaves = named_leaves(params, name_map, root=f"arg{argnums}")
+    else:
+        p_leaves = named_leaves(tuple(params), name_map)
+    # layer kinds known from the modules seen by the activation capture (Linen/NNX)
+    seen = {n.rsplit("/", 1)[0] if "/" in n else "": k for n, (_, k, _) in sink.items.items()}
+    layer_kinds = {**seen, **(layer_kinds or {})}
+    g_flat = jax.tree_util.tree_leaves(grads)
+    p_flat = jax.tree_util.tree_leaves(params)
+    groups = [
+        Group(Kind.PARAM, p_leaves, p_flat, layer_kinds),
+        Group(Kind.GRAD, p_leaves, g_flat, layer_kinds),
+    ]
+    if acts:
+        from .names import Leaf
+
+        names = sorted(acts)
+        a_leaves = [
+            Leaf(n, sink.items[n][2], i, tuple(acts[n].shape), acts[n].dtype)
+            for i, n in enumerate(names)
+        ]
+        kinds = {n.rsplit("/", 1)[0] if "/" in n else "": sink.items[n][1] for n in names}
+        groups.append(
+            Group(
+                Kind.ACTIVATION,
+                a_leaves,
+                [acts[n] for n in names],
+                kinds,
+                snapshots=probe if probe is not None else False,
+            )
+        )
+    emit(recorder, groups, step=step, counter=counter)
+
+
+def value_and_grad(
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    *,
+    recorder: Recorder,
+    name_map: NameMap = None,
+    step_kwarg: str | None = None,
+    start_step: int = 0,
+    activations: bool = True,
+    probe: Mapping[int | str, Any] | None = None,
+    holomorphic: bool = False,
+    allow_int: bool = False,
+) -> Callable[..., Any]:
+    """Drop-in for :func:`jax.value_and_grad` that records ``param`` and ``grad``.
+
+    Same arguments and return values as ``jax.value_and_grad``; works under ``jax.jit``,
+    with any pytree for the differentiated argument(s) (dicts, lists, tuples, registered
+    dataclasses, Flax ``FrozenDict``). For each executed call at step ``t`` it records
+    ``param`` = θ_t (the differentiated argument's leaves) and ``grad`` = ∇L(θ_t), both in
+    the argument's layout; with several ``argnums`` the argument position is the first
+    name segment. If the policy records activations and ``fun`` applies Flax Linen
+    modules, outputs of parametrised modules are recorded as ``activation``
+    (``<module path>/output``, stats over the batch).
+
+    Stats are one ``[n, 9]`` float32 matrix computed in the caller's computation and sent
+    to the host by one ordered callback per step; full tensors are shipped only on
+    full-capture steps.
+
+    Args:
+        recorder: where to record.
+        name_map: mapping or callable from default canonical names to wanted ones.
+        step_kwarg: name of an extra keyword argument carrying the optimizer step
+            (explicit mode, removed before ``fun`` is called); ``None``: automatic mode.
+        start_step: first step number of the automatic mode (e.g. after resuming).
+        activations: record Flax Linen activations when the policy asks for them.
+        probe: a fixed probe batch for activation snapshots: argument position (or
+            keyword name) → value substituted into the call, e.g. ``{1: x_probe}``. On
+            full-capture steps (only) ``fun`` is run forward on it with the current
+            parameters and its activations are written in full. Without it activations
+            are recorded as stats only (a training batch changes every step).
+    """
+    _set_producer(recorder)
+    counter = StepCounter(start_step)
+    sink = Activations(name_map)
+    want_acts = activations and recorder.policy.records_kind(Kind.ACTIVATION)
+    inner = _wrap_for_activations(fun, has_aux, sink, linen=want_acts)
+    vg = jax.value_and_grad(
+        inner, argnums, has_aux=True, holomorphic=holomorphic, allow_int=allow_int
+    )
+
+    @functools.wraps(fun)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        step = kwargs.pop(step_kwarg, None) if step_kwarg else None
+        if step_kwarg and step is None:
+            raise TypeError(f"missing the step keyword argument {step_kwarg!r}")
+        (value, (aux, acts)), grads = vg(*args, **kwargs)
+        params = args[argnums] if isinstance(argnums, int) else tuple(args[i] for i in argnums)
+        probe_fn = None
+        if probe is not None and acts:
+
+            def probe_fn() -> dict[str, jax.Array]:
+                a = list(args)
+                kw = dict(kwargs)
+                for key, value in probe.items():
+                    if isinstance(key, int):
+                        a[key] = value
+                    else:
+                        kw[key] = value
+                _, (_, probe_acts) = inner(*a, **kw)
+                return probe_acts
+
+        _record(
+            recorder, params, grads, acts, sink,
+            argnums=argnums, name_map=name_map, step=step, counter=counter, probe=probe_fn,
+        )  # fmt: skip
+        return ((value, aux), grads) if has_aux else (value, grads)
+
+    return wrapped
+
+
+def nnx_value_and_grad(
+    fun: Callable[..., Any],
+    argnums: int = 0,
+    has_aux: bool = False,
+    *,
+    recorder: Recorder,
+    name_map: NameMap = None,
+    step_kwarg: str | None = None,
+    start_step: int = 0,
+    activations: bool = True,
+) -> Callable[..., Any]:
+    """Drop-in for :func:`flax.nnx.value_and_grad` (differentiates the ``nnx.Param``
+    state of the module at ``argnums``) that records ``param``, ``grad`` and, when the
+    policy asks, ``activation`` (``__call__`` outputs of parametrised submodules,
+    captured with ``nnx.capture``). Returns exactly what ``nnx.value_and_grad`` returns
+    (grads as an ``nnx.State``). Names: the module's attribute path, list indices as
+    segments (``layers/0/kernel``) — the same names a Linen model with submodules
+    ``layers_0`` gets. Step accounting as in :func:`value_and_grad`. Use it inside
+    ``nnx.jit`` or ``jax.jit`` as you would ``nnx.value_and_grad``.
+    """
+    from flax import nnx
+
+    from .flax import layer_kind_of
+
+    _set_producer(recorder)
+    counter = StepCounter(start_step)
+    sink = Activations(name_map)
+    want_acts = activations and recorder.policy.records_kind(Kind.ACTIVATION)
+
+    def inner(*args: Any, **kwargs: Any) -> Any:
+        sink.items.clear()
+        if want_acts:
+            out = nnx_capture(lambda m, *a, **k: fun(*args[:argnums], m, *a, **k), sink)(
+                args[argnums], *args[argnums + 1 :], **kwargs
+            )
+        else:
+            out = fun(*args, **kwargs)
+        value, aux = out if has_aux else (out, None)
+        return value, (aux, {n: a for n, (a, _, _) in sink.items.items()})
+
+    vg = nnx.value_and_grad(inner, argnums=argnums, has_aux=True)
+
+    @functools.wraps(fun)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        step = kwargs.pop(step_kwarg, None) if step_kwarg else None
+        if step_kwarg and step is None:
+            raise TypeError(f"missing the step keyword argument {step_kwarg!r}")
+        (value, (aux, acts)), grads = vg(*args, **kwargs)
+        model = args[argnums]
+        params = nnx.state(model, nnx.Param)
+        kinds: dict[str, str | None] = {}
+        for path, node in nnx.iter_graph(model):
+            if isinstance(node, nnx.Module):
+                from traintape.core.naming import join
+
+                from .names import default_segments
+
+                kinds[join(default_segments([*path, "x"])[:-1])] = layer_kind_of(node)
+        _record(
+            recorder, params, grads, acts, sink,
+            argnums=0, name_map=name_map, step=step, counter=counter, layer_kinds=kinds,
+        )  # fmt: skip
+        return ((value, aux), grads) if has_aux else (value, grads)
+
+    return wrapped

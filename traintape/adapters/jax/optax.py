@@ -1,0 +1,155 @@
+"""``traintape.jax.watch``: an optax ``GradientTransformation`` that records what is applied.
+
+``watch(tx, recorder)`` behaves exactly like ``tx`` (same updates, same inner state, kept
+in ``WatchState.inner``) and records at optimizer step ``t`` (``WatchState.count``, on the
+device, so full-capture steps are chosen without a host round trip):
+
+- ``update``: the transformed updates, which ``optax.apply_updates`` adds to the params,
+  i.e. θ_{t+1} − θ_t (exactly, up to the float rounding of that addition);
+- optionally ``grad`` (the updates ``tx`` receives, i.e. the gradient after any
+  accumulation — wrap it in ``optax.MultiSteps`` to get the accumulated mean) and
+  ``param`` (θ_t, needs ``params`` passed to ``update``);
+- optionally ``opt_state``: every leaf of the new inner state shaped like a parameter
+  (Adam ``mu``/``nu``, momentum ``trace``...), named ``<param name>/<state field>``,
+  e.g. ``dense/kernel/mu``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from traintape.core import Recorder
+from traintape.core.naming import NameMap, canonical_name
+from traintape.schema import Kind
+
+from .capture import Group, emit
+from .names import Leaf, named_leaves, raw_segments
+
+
+class WatchState(NamedTuple):
+    """State of :func:`watch`: the wrapped transformation's state and the step count."""
+
+    inner: Any
+    count: jax.Array
+    """Optimizer steps completed (int32): the step recorded by the next ``update``."""
+    micro: jax.Array
+    """Micro-batches accumulated towards the current step (``accumulate > 1``)."""
+    acc: Any
+    """Sum of the micro-batch gradients of the current step (``accumulate > 1``; else ())."""
+
+
+def _opt_state_leaves(state: Any, params: Any, name_map: NameMap) -> tuple[list[Leaf], list[Any]]:
+    p_leaves = named_leaves(params, name_map)
+    by_path = {}
+    for leaf in p_leaves:
+        by_path[tuple(leaf.source_name.split("/"))] = leaf
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    leaves: list[Leaf] = []
+    arrays: list[Any] = []
+    for path, x in flat:
+        segs = [str(s) for s in raw_segments(path)]
+        for k in range(len(segs)):
+            leaf = by_path.get(tuple(segs[k:]))
+            if leaf is None or tuple(jnp.shape(x)) != leaf.shape:
+                continue
+            fields = [s for s in segs[:k] if not s.isdigit()]
+            field = fields[-1] if fields else "state"
+            name = canonical_name([leaf.name, field], None, f"{'/'.join(segs)}")
+            if any(lf.name == name for lf in leaves):
+                name = canonical_name([leaf.name, *[s for s in segs[:k]]], None)
+            leaves.append(Leaf(name, "/".join(segs), len(arrays), leaf.shape, jnp.dtype(x.dtype)))
+            arrays.append(x)
+            break
+    return leaves, arrays
+
+
+def watch(
+    tx: optax.GradientTransformation,
+    recorder: Recorder,
+    *,
+    kinds: Sequence[Kind | str] = (Kind.UPDATE,),
+    opt_state: bool = False,
+    name_map: NameMap = None,
+    start_step: int = 0,
+    accumulate: int = 1,
+) -> optax.GradientTransformation:
+    """Wrap ``tx`` so that each ``update`` records the kinds asked for at its step.
+
+    Args:
+        tx: any optax transformation.
+        kinds: among ``update``, ``grad``, ``param`` (see module docstring).
+        opt_state: also record parameter-shaped optimizer state (kind ``opt_state``).
+        name_map: the same name map as given to ``value_and_grad`` (names must agree).
+        start_step: the step the first ``update`` records (resume).
+        accumulate: gradient accumulation, k calls per optimizer step (like
+            ``optax.MultiSteps``, which cannot be watched from inside because it runs
+            its inner update on every call): ``tx`` is applied on every k-th call to
+            the mean of the k gradients, zero updates are returned on the others, and
+            the step, ``grad`` (the accumulated mean), ``param`` and ``update`` are
+            recorded once per optimizer step.
+    """
+    if accumulate < 1:
+        raise ValueError(f"accumulate must be >= 1, got {accumulate}")
+    want = {Kind(k) for k in kinds}
+    bad = want - {Kind.UPDATE, Kind.GRAD, Kind.PARAM}
+    if bad:
+        raise ValueError(f"watch records update, grad and param, not {sorted(bad)}")
+
+    def init(params: Any) -> WatchState:
+        acc = jax.tree_util.tree_map(jnp.zeros_like, params) if accumulate > 1 else ()
+        return WatchState(
+            tx.init(params), jnp.asarray(start_step, jnp.int32), jnp.zeros((), jnp.int32), acc
+        )
+
+    def step(updates: Any, inner: Any, count: Any, params: Any, extra: Any) -> tuple[Any, Any]:
+        new_updates, inner = tx.update(updates, inner, params, **extra)
+        leaves = named_leaves(updates, name_map)
+        groups = []
+        if Kind.PARAM in want:
+            if params is None:
+                raise ValueError("watch(kinds=[..., 'param']) needs params passed to update")
+            groups.append(Group(Kind.PARAM, leaves, jax.tree_util.tree_leaves(params)))
+        if Kind.GRAD in want:
+            groups.append(Group(Kind.GRAD, leaves, jax.tree_util.tree_leaves(updates)))
+        if Kind.UPDATE in want:
+            groups.append(Group(Kind.UPDATE, leaves, jax.tree_util.tree_leaves(new_updates)))
+        if opt_state:
+            o_leaves, o_arrays = _opt_state_leaves(inner, updates, name_map)
+            if o_leaves:
+                groups.append(Group(Kind.OPT_STATE, o_leaves, o_arrays))
+        emit(recorder, groups, step=count)
+        return new_updates, inner
+
+    def update(
+        updates: Any, state: WatchState, params: Any = None, **extra: Any
+    ) -> tuple[Any, WatchState]:
+        if accumulate == 1:
+            new_updates, inner = step(updates, state.inner, state.count, params, extra)
+            return new_updates, WatchState(inner, state.count + 1, state.micro, state.acc)
+        acc = jax.tree_util.tree_map(jnp.add, state.acc, updates)
+        done = state.micro == accumulate - 1
+
+        def do(acc: Any, inner: Any, params: Any) -> tuple[Any, Any]:
+            mean = jax.tree_util.tree_map(lambda a: a / accumulate, acc)
+            return step(mean, inner, state.count, params, extra)
+
+        def skip(acc: Any, inner: Any, params: Any) -> tuple[Any, Any]:
+            shapes = jax.eval_shape(lambda: tx.update(acc, inner, params, **extra)[0])
+            zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            return zeros, inner
+
+        new_updates, inner = jax.lax.cond(done, do, skip, acc, state.inner, params)
+        acc = jax.tree_util.tree_map(lambda a: jnp.where(done, jnp.zeros_like(a), a), acc)
+        return new_updates, WatchState(
+            inner,
+            state.count + done.astype(jnp.int32),
+            (state.micro + 1) % accumulate,
+            acc,
+        )
+
+    return optax.GradientTransformation(init, update)

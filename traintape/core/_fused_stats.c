@@ -1,0 +1,300 @@
+/* traintape fused stat kernel: one memory pass per buffer.
+ *
+ * For each input buffer (float32 or float64, contiguous) it computes the mergeable
+ * "raw" row (10 doubles, same layout as traintape.core.fused.RAW_NAMES):
+ *
+ *   numel, finite count, sum, M2, min, max, sum of squares, sum |x|, zero count, NaN count
+ *
+ * (sum, M2, min, max, sum of squares and sum |x| over finite elements only; M2 is the sum
+ * of squared deviations from the mean).
+ *
+ * Buffers are cut into fixed blocks of BLOCK elements. Each block is reduced in one pass
+ * with LANES independent accumulators (the inner loop is a plain elementwise loop over
+ * fixed-size lane arrays, which gcc -O3 vectorises), in double, around a per-block shift
+ * K (the block's first finite element): S1 = sum(x - K), S2 = sum((x - K)^2), so
+ * M2_block = S2 - S1^2 / n does not cancel for near-constant data. Blocks are merged in
+ * a fixed order with Chan's parallel formula, so the result does not depend on the number
+ * of threads. OpenMP (when compiled with -fopenmp) spreads blocks over threads.
+ *
+ * target_clones gives an AVX2 and a baseline version selected at load time, so the
+ * cached shared object stays valid on any x86-64 CPU (no -march=native).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define BLOCK 32768
+#define LANES 16
+#define RAW 10
+
+enum { NUMEL, NFIN, SUM, M2, MIN, MAX, SUMSQ, ABSS, ZEROS, NANS };
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
+#define TT_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define TT_CLONES
+#endif
+
+typedef struct {
+    double n;    /* finite count */
+    double sum;  /* sum of finite x */
+    double m2;   /* sum of squared deviations from the block mean */
+    double mn, mx, sumsq, abss, zeros, nans;
+} part_t;
+
+typedef struct {
+    double s1, s2, ab; /* sum(x - K), sum((x - K)^2), sum |x| over finite x */
+    double mn, mx;
+    int64_t nf, nz, nn;
+} acc_t;
+
+/* Masked scalar accumulation of p[from:to] (handles NaN/Inf; used for block tails and
+ * for blocks the vector pass found non-finite values in). */
+#define DEFINE_SCALAR(NAME, T)                                                              \
+    static void NAME(const T *restrict p, int64_t from, int64_t to, double K, acc_t *a) {   \
+        for (int64_t i = from; i < to; i++) {                                               \
+            T x = p[i];                                                                     \
+            if (x != x) {                                                                   \
+                a->nn++;                                                                    \
+                continue;                                                                   \
+            }                                                                               \
+            if (x == 0) a->nz++;                                                            \
+            if (x - x != 0) continue; /* +-Inf */                                           \
+            double d = (double)x - K;                                                       \
+            a->s1 += d;                                                                     \
+            a->s2 += d * d;                                                                 \
+            a->ab += fabs((double)x);                                                       \
+            if ((double)x < a->mn) a->mn = (double)x;                                       \
+            if ((double)x > a->mx) a->mx = (double)x;                                       \
+            a->nf++;                                                                        \
+        }                                                                                   \
+    }
+DEFINE_SCALAR(scalar_f32, float)
+DEFINE_SCALAR(scalar_f64, double)
+
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+typedef int32_t vi8 __attribute__((vector_size(32)));
+typedef double vd4 __attribute__((vector_size(32)));
+typedef int64_t vl4 __attribute__((vector_size(32)));
+
+/* Unmasked vector pass over p[0:len8) (len8 a multiple of 8), assuming every element is
+ * finite; the caller checks the sums and redoes the block masked if that was false. */
+TT_CLONES static void vec_f32(const float *restrict p, int64_t len8, double K, acc_t *a) {
+    const vd4 k = {K, K, K, K};
+    const vl4 nosign = {INT64_MAX, INT64_MAX, INT64_MAX, INT64_MAX};
+    vd4 s1a = {0}, s1b = {0}, s2a = {0}, s2b = {0}, aba = {0}, abb = {0};
+    vf8 mn = {INFINITY, INFINITY, INFINITY, INFINITY, INFINITY, INFINITY, INFINITY, INFINITY};
+    vf8 mx = -mn;
+    vi8 nz = {0};
+    const vf8 zero = {0};
+    for (int64_t i = 0; i < len8; i += 8) {
+        vf8 x;
+        vf4 lo, hi;
+        memcpy(&x, p + i, sizeof x);
+        memcpy(&lo, p + i, sizeof lo);
+        memcpy(&hi, p + i + 4, sizeof hi);
+        vd4 dl = __builtin_convertvector(lo, vd4);
+        vd4 dh = __builtin_convertvector(hi, vd4);
+        aba += (vd4)((vl4)dl & nosign);
+        abb += (vd4)((vl4)dh & nosign);
+        dl -= k;
+        dh -= k;
+        s1a += dl;
+        s1b += dh;
+        s2a += dl * dl;
+        s2b += dh * dh;
+        vi8 lt = x < mn;
+        mn = (vf8)(((vi8)x & lt) | ((vi8)mn & ~lt));
+        vi8 gt = x > mx;
+        mx = (vf8)(((vi8)x & gt) | ((vi8)mx & ~gt));
+        nz -= (x == zero);
+    }
+    vd4 s1 = s1a + s1b, s2 = s2a + s2b, ab = aba + abb;
+    for (int j = 0; j < 4; j++) {
+        a->s1 += s1[j];
+        a->s2 += s2[j];
+        a->ab += ab[j];
+    }
+    for (int j = 0; j < 8; j++) {
+        if (mn[j] < a->mn) a->mn = mn[j];
+        if (mx[j] > a->mx) a->mx = mx[j];
+        a->nz += nz[j];
+    }
+    a->nf += len8;
+}
+
+TT_CLONES static void vec_f64(const double *restrict p, int64_t len8, double K, acc_t *a) {
+    const vd4 k = {K, K, K, K};
+    const vl4 nosign = {INT64_MAX, INT64_MAX, INT64_MAX, INT64_MAX};
+    vd4 s1a = {0}, s1b = {0}, s2a = {0}, s2b = {0}, aba = {0}, abb = {0};
+    vd4 mn = {INFINITY, INFINITY, INFINITY, INFINITY};
+    vd4 mx = -mn;
+    vl4 nz = {0};
+    const vd4 zero = {0};
+    for (int64_t i = 0; i < len8; i += 8) {
+        vd4 xl, xh;
+        memcpy(&xl, p + i, sizeof xl);
+        memcpy(&xh, p + i + 4, sizeof xh);
+        aba += (vd4)((vl4)xl & nosign);
+        abb += (vd4)((vl4)xh & nosign);
+        vl4 lt = xl < mn;
+        mn = (vd4)(((vl4)xl & lt) | ((vl4)mn & ~lt));
+        lt = xh < mn;
+        mn = (vd4)(((vl4)xh & lt) | ((vl4)mn & ~lt));
+        vl4 gt = xl > mx;
+        mx = (vd4)(((vl4)xl & gt) | ((vl4)mx & ~gt));
+        gt = xh > mx;
+        mx = (vd4)(((vl4)xh & gt) | ((vl4)mx & ~gt));
+        nz -= (xl == zero);
+        nz -= (xh == zero);
+        vd4 dl = xl - k, dh = xh - k;
+        s1a += dl;
+        s1b += dh;
+        s2a += dl * dl;
+        s2b += dh * dh;
+    }
+    vd4 s1 = s1a + s1b, s2 = s2a + s2b, ab = aba + abb;
+    for (int j = 0; j < 4; j++) {
+        a->s1 += s1[j];
+        a->s2 += s2[j];
+        a->ab += ab[j];
+        if (mn[j] < a->mn) a->mn = mn[j];
+        if (mx[j] > a->mx) a->mx = mx[j];
+        a->nz += nz[j];
+    }
+    a->nf += len8;
+}
+
+#define DEFINE_BLOCK(NAME, T, VEC, SCALAR)                                                  \
+    static void NAME(const T *restrict p, int64_t len, part_t *out) {                       \
+        double K = 0.0;                                                                     \
+        for (int64_t i = 0; i < len; i++) {                                                 \
+            if (p[i] - p[i] == 0) {                                                         \
+                K = (double)p[i];                                                           \
+                break;                                                                      \
+            }                                                                               \
+        }                                                                                   \
+        acc_t a = {0, 0, 0, INFINITY, -INFINITY, 0, 0, 0};                                  \
+        int64_t len8 = len - len % 8;                                                       \
+        VEC(p, len8, K, &a);                                                                \
+        if (!isfinite(a.s1) || !isfinite(a.s2) || !isfinite(a.ab)) {                        \
+            acc_t b = {0, 0, 0, INFINITY, -INFINITY, 0, 0, 0};                              \
+            a = b;                                                                          \
+            SCALAR(p, 0, len8, K, &a);                                                      \
+        }                                                                                   \
+        SCALAR(p, len8, len, K, &a);                                                        \
+        double N = (double)a.nf;                                                            \
+        out->n = N;                                                                         \
+        out->zeros = (double)a.nz;                                                          \
+        out->nans = (double)a.nn;                                                           \
+        out->abss = a.ab;                                                                   \
+        out->mn = a.mn;                                                                     \
+        out->mx = a.mx;                                                                     \
+        if (N > 0) {                                                                        \
+            double m2 = a.s2 - a.s1 * a.s1 / N;                                             \
+            double mean = K + a.s1 / N;                                                     \
+            out->m2 = m2 > 0 ? m2 : 0.0;                                                    \
+            out->sum = K * N + a.s1;                                                        \
+            out->sumsq = out->m2 + N * mean * mean;                                         \
+        } else {                                                                            \
+            out->m2 = 0;                                                                    \
+            out->sum = 0;                                                                   \
+            out->sumsq = 0;                                                                 \
+        }                                                                                   \
+    }
+
+DEFINE_BLOCK(block_f32, float, vec_f32, scalar_f32)
+DEFINE_BLOCK(block_f64, double, vec_f64, scalar_f64)
+
+/* Merge block b into accumulator a (Chan et al.). */
+static void merge(part_t *a, const part_t *b) {
+    if (b->n > 0) {
+        if (a->n > 0) {
+            double n = a->n + b->n;
+            double delta = b->sum / b->n - a->sum / a->n;
+            a->m2 += b->m2 + delta * delta * (a->n * b->n / n);
+        } else {
+            a->m2 = b->m2;
+        }
+        a->n += b->n;
+        a->sum += b->sum;
+        a->sumsq += b->sumsq;
+        a->abss += b->abss;
+        if (b->mn < a->mn) a->mn = b->mn;
+        if (b->mx > a->mx) a->mx = b->mx;
+    }
+    a->zeros += b->zeros;
+    a->nans += b->nans;
+}
+
+int tt_block_size(void) { return BLOCK; }
+
+int tt_has_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Raw rows of n buffers.
+ *   ptrs[i]: data pointer, lens[i]: element count, dtypes[i]: 0 = float32, 1 = float64
+ *   out: [n, RAW] doubles, nthreads <= 0: OpenMP default.
+ * Returns 0 on success, -1 if out of memory. */
+int tt_raw_stats(int64_t n, const uintptr_t *ptrs, const int64_t *lens, const int32_t *dtypes,
+                 double *out, int nthreads) {
+    int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(n + 1));
+    if (!first) return -1;
+    first[0] = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t nb = (lens[i] + BLOCK - 1) / BLOCK;
+        first[i + 1] = first[i] + nb;
+    }
+    int64_t total = first[n];
+    part_t *parts = (part_t *)malloc(sizeof(part_t) * (size_t)(total > 0 ? total : 1));
+    int64_t *owner = (int64_t *)malloc(sizeof(int64_t) * (size_t)(total > 0 ? total : 1));
+    if (!parts || !owner) {
+        free(first); free(parts); free(owner);
+        return -1;
+    }
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t b = first[i]; b < first[i + 1]; b++) owner[b] = i;
+
+#ifdef _OPENMP
+    if (nthreads <= 0) nthreads = omp_get_max_threads();
+#endif
+    (void)nthreads;
+#pragma omp parallel for schedule(dynamic, 4) num_threads(nthreads) if (total > 8)
+    for (int64_t b = 0; b < total; b++) {
+        int64_t i = owner[b];
+        int64_t start = (b - first[i]) * (int64_t)BLOCK;
+        int64_t len = lens[i] - start < BLOCK ? lens[i] - start : BLOCK;
+        if (dtypes[i] == 1)
+            block_f64((const double *)ptrs[i] + start, len, &parts[b]);
+        else
+            block_f32((const float *)ptrs[i] + start, len, &parts[b]);
+    }
+
+    for (int64_t i = 0; i < n; i++) {
+        part_t acc = {0, 0, 0, INFINITY, -INFINITY, 0, 0, 0, 0};
+        for (int64_t b = first[i]; b < first[i + 1]; b++) merge(&acc, &parts[b]);
+        double *r = out + i * RAW;
+        r[NUMEL] = (double)lens[i];
+        r[NFIN] = acc.n;
+        r[SUM] = acc.sum;
+        r[M2] = acc.m2;
+        r[MIN] = acc.mn;
+        r[MAX] = acc.mx;
+        r[SUMSQ] = acc.sumsq;
+        r[ABSS] = acc.abss;
+        r[ZEROS] = acc.zeros;
+        r[NANS] = acc.nans;
+    }
+    free(first); free(parts); free(owner);
+    return 0;
+}
