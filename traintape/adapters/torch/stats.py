@@ -38,11 +38,10 @@ import numpy as np
 import torch
 
 from traintape.core import fused
-from traintape.schema import N_STATS
 
 SMALL = 1 << 16
-RAW = 10
-(NUMEL, NFIN, SUM, M2, MIN, MAX, SUMSQ, ABS, ZEROS, NAN) = range(RAW)
+# the raw-row layout is core's (traintape.core.fused), so rows merge/finalize there too
+from traintape.core.fused import M2, MAX, MIN, NFIN, RAW, SUM  # noqa: E402
 
 
 def _as_float(t: torch.Tensor) -> torch.Tensor:
@@ -192,27 +191,7 @@ def merge_raw(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def finalize(raw: np.ndarray) -> np.ndarray:
     """Raw rows (host) → stat vectors ``[n, N_STATS]`` float64 in schema order."""
-    raw = np.asarray(raw, dtype=np.float64)
-    out = np.empty((raw.shape[0], N_STATS), dtype=np.float64)
-    numel, nfin, nan = raw[:, NUMEL], raw[:, NFIN], raw[:, NAN]
-    with np.errstate(invalid="ignore", divide="ignore"):
-        none = nfin == 0
-        out[:, 0] = raw[:, SUM] / nfin
-        out[:, 1] = np.sqrt(np.maximum(raw[:, M2], 0.0) / nfin)
-        out[:, 2] = raw[:, MIN]
-        out[:, 3] = raw[:, MAX]
-        out[:, 4] = np.sqrt(raw[:, SUMSQ])
-        out[:, 5] = raw[:, ABS] / nfin
-        out[:, 6] = np.where(numel > 0, raw[:, ZEROS] / np.maximum(numel, 1), np.nan)
-    out[:, 7] = nan
-    out[:, 8] = numel - nfin - nan
-    out[none, 0] = np.nan
-    out[none, 1] = np.nan
-    out[none, 2] = np.nan
-    out[none, 3] = np.nan
-    out[none, 5] = np.nan
-    out[none, 4] = 0.0
-    return out
+    return fused.finalize_raw(raw)
 
 
 def to_host(raw: torch.Tensor) -> np.ndarray:
