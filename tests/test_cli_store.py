@@ -45,4 +45,6 @@ def test_show_summarises(tmp_path):
     _run(run)
     res = runner.invoke(app, ["show", run], env={"COLUMNS": "160"})
     assert res.exit_code == 0, res.stdout
-    assert "4 rows (steps 0..3)" in res.stdout and "fc/kernel" in res.stdout and "loss" in res.stdout
+    assert (
+        "4 rows (steps 0..3)" in res.stdout and "fc/kernel" in res.stdout and "loss" in res.stdout
+    )

@@ -74,9 +74,9 @@ def _train(url: str, *, jit: bool, steps: int = 4, policy: CapturePolicy | None 
     return history, grads
 
 
-@pytest.fixture(params=["device", "host"])
+@pytest.fixture(params=["xla", "kernel"])
 def stats_mode(request, monkeypatch) -> str:
-    """Run a test with the stat matrix in the compiled computation and on the host."""
+    """Run a test with both in-computation stat paths: XLA reductions and the FFI kernel."""
     monkeypatch.setenv("TRAINTAPE_JAX_STATS", request.param)
     return request.param
 

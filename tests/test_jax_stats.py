@@ -38,3 +38,30 @@ def test_fast_path_offset_std_is_accurate() -> None:
     x = CASES["offset"]
     got = np.asarray(jax.jit(tj.stat_vector)(jnp.asarray(x)))
     np.testing.assert_allclose(got[1], np.std(x.astype(np.float64)), rtol=1e-3)
+
+
+def test_ffi_kernel_matches_numpy_reference_inside_jit() -> None:
+    """The fused C kernel as an XLA custom call: same vectors as the numpy reference,
+    for NaN/Inf, empty, scalar, bfloat16 and a multi-block (> 32768 elements) leaf."""
+    from traintape.adapters.jax import ffi_kernel
+
+    if not ffi_kernel.available():
+        pytest.skip("no C compiler / FFI header: the XLA path is used instead")
+    big = np.random.default_rng(2).normal(3.0, 0.5, size=(300, 257)).astype(np.float32)
+    big[7, 9] = np.nan
+    arrays = [*CASES.values(), big, np.arange(10, dtype=np.int32), np.ones(5, np.float64)]
+    rows = jax.jit(ffi_kernel.raw_rows)([jnp.asarray(a) for a in arrays])
+    assert rows.dtype == jnp.uint32 and rows.shape == (len(arrays), 20)
+    got = ffi_kernel.decode(np.asarray(rows))
+    want = stat_vectors([np.asarray(a) for a in arrays])
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, equal_nan=True)
+
+
+def test_stats_mode_env(monkeypatch) -> None:
+    from traintape.adapters.jax.stats import stats_mode
+
+    monkeypatch.setenv("TRAINTAPE_JAX_STATS", "xla")
+    assert stats_mode() == "xla"
+    monkeypatch.setenv("TRAINTAPE_JAX_STATS", "gpu-please")
+    with pytest.raises(ValueError, match="TRAINTAPE_JAX_STATS"):
+        stats_mode()

@@ -33,7 +33,7 @@ import tempfile
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 
@@ -56,7 +56,7 @@ RAW_NAMES: Final[tuple[str, ...]] = (
 RAW: Final[int] = len(RAW_NAMES)
 (NUMEL, NFIN, SUM, M2, MIN, MAX, SUMSQ, ABS, ZEROS, NAN) = range(RAW)
 
-_SRC = Path(__file__).with_name("_fused_stats.c")
+SOURCE: Final[Path] = Path(__file__).with_name("_fused_stats.c")
 _FLAGS_OMP = ["-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp"]
 _FLAGS_PLAIN = ["-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp-simd"]
 _DTYPES = {np.dtype(np.float32): 0, np.dtype(np.float64): 1}
@@ -78,30 +78,58 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
 
 
-def _build(cc: str, src: bytes, flags: list[str]) -> Path:
-    """Compile (if not cached) and return the path of the shared object."""
+def build_shared_object(
+    prefix: str,
+    sources: Sequence[Path],
+    flags: Sequence[str],
+    *,
+    include_dirs: Sequence[Path] = (),
+    depends: Sequence[Path] = (),
+) -> Path:
+    """Compile ``sources`` into a cached shared object and return its path.
+
+    The cache key hashes the sources, ``depends`` (headers), flags and the compiler's
+    version, so an edited source or an upgraded header rebuilds. The object is written to
+    a temp file and renamed atomically (concurrent builders agree on the content) into
+    :func:`_cache_dir` as ``<prefix>-<hash>.so``. Raises ``RuntimeError`` with the
+    compiler's message when no compiler is found or compilation fails.
+    """
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC)")
     try:
         ver = subprocess.run([cc, "--version"], capture_output=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         ver = b""
-    key = hashlib.sha256(src + "\0".join([cc, *flags]).encode() + ver).hexdigest()[:16]
-    out_dir = _cache_dir()
-    target = out_dir / f"fused-{key}.so"
+    h = hashlib.sha256("\0".join([cc, *flags, *map(str, include_dirs)]).encode() + ver)
+    for f in (*sources, *depends):
+        h.update(Path(f).read_bytes())
+    target = _cache_dir() / f"{prefix}-{h.hexdigest()[:16]}.so"
     if target.exists():
         return target
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", prefix=".fused-", dir=out_dir)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", prefix=f".{prefix}-", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [cc, *flags, str(_SRC), "-o", tmp, "-lm"]
+        incs = [f"-I{d}" for d in include_dirs]
+        cmd = [cc, *flags, *incs, *map(str, sources), "-o", tmp, "-lm"]
         res = subprocess.run(cmd, capture_output=True, timeout=120)
         if res.returncode != 0:
             raise RuntimeError(res.stderr.decode(errors="replace")[-2000:])
-        os.replace(tmp, target)  # atomic: concurrent builders agree on the content
+        os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def build_with_openmp(prefix: str, sources: Sequence[Path], **kw: Any) -> Path:
+    """:func:`build_shared_object` with OpenMP, retried without it if that fails."""
+    try:
+        return build_shared_object(prefix, sources, _FLAGS_OMP, **kw)
+    except RuntimeError as e:
+        _log.debug("traintape: building %s with OpenMP failed (%s); retrying", prefix, e)
+        return build_shared_object(prefix, sources, _FLAGS_PLAIN, **kw)
 
 
 def _load() -> ctypes.CDLL | None:
@@ -124,16 +152,7 @@ def _load_uncached() -> ctypes.CDLL | None:
     if os.environ.get("TRAINTAPE_NO_FUSED"):
         _log.debug("traintape: fused stat kernel disabled by TRAINTAPE_NO_FUSED")
         return None
-    cc = _compiler()
-    if cc is None:
-        _log.debug("traintape: no C compiler found; fused stat kernel unavailable")
-        return None
-    src = _SRC.read_bytes()
-    try:
-        path = _build(cc, src, _FLAGS_OMP)
-    except Exception as e:
-        _log.debug("traintape: building fused kernel with OpenMP failed (%s); retrying", e)
-        path = _build(cc, src, _FLAGS_PLAIN)
+    path = build_with_openmp("fused", [SOURCE])
     lib = ctypes.CDLL(str(path))
     fn = lib.tt_raw_stats
     fn.restype = ctypes.c_int

@@ -2,7 +2,7 @@
 
 Every record point (``value_and_grad``, ``watch``) calls :func:`emit` at trace time
 with groups of (kind, named leaves). :func:`emit` declares the tensor specs, computes the
-``[n, 9]`` stat matrix inside the compiled computation, and inserts an *ordered*
+stat matrix inside the compiled computation (:func:`.stats.device_stats`), and inserts an *ordered*
 ``io_callback`` carrying only that matrix (and the step). On full-capture steps, chosen
 on the device with ``lax.cond`` when the step is known there, the callback also carries
 the full tensors; on other steps no tensor leaves the device.
@@ -34,7 +34,7 @@ from traintape.core import Recorder
 from traintape.schema import Kind
 
 from .names import Leaf, specs_for
-from .stats import stat_matrix
+from .stats import device_stats
 
 
 class Pump:
@@ -158,71 +158,6 @@ def fetch_step(counter: StepCounter) -> jax.Array:
     )
 
 
-def stats_mode() -> str:
-    """Where stat vectors are computed: ``device`` or ``host``.
-
-    ``TRAINTAPE_JAX_STATS=device|host|auto`` (default ``auto``). ``device``: the stat
-    matrix is part of the compiled computation and only ``[n, 9]`` floats reach the
-    host. ``host``: on the CPU backend device memory *is* host memory, so the ordered
-    callback receives the tensors without a copy and traintape's fused single-pass C
-    kernel (:mod:`traintape.core.fused`, one read per tensor, vectorised, multi-threaded)
-    computes the stats: measured about 4x cheaper than XLA:CPU's reductions. ``auto``
-    picks ``host`` on the CPU backend when the fused kernel is available, else ``device``
-    (GPU/TPU: never ship whole tensors every step).
-    """
-    import os
-
-    mode = os.environ.get("TRAINTAPE_JAX_STATS", "auto")
-    if mode not in ("auto", "device", "host"):
-        raise ValueError(f"TRAINTAPE_JAX_STATS must be auto, device or host, not {mode!r}")
-    if mode == "auto":
-        from traintape.core import fused
-
-        mode = "host" if jax.default_backend() == "cpu" and fused.available() else "device"
-    return mode
-
-
-def _emit_host(
-    recorder: Recorder,
-    groups: Sequence[Group],
-    arrays: list[list[jax.Array]],
-    sizes: list[int],
-    *,
-    step: jax.Array | int | None,
-    counter: StepCounter | None,
-) -> None:
-    """CPU backend: the ordered callback gets the tensors (no copy) and computes stats."""
-    from traintape.core.fused import fused_stat_vectors
-
-    kinds = [g.kind for g in groups]
-    names = [tuple(lf.name for lf in g.leaves) for g in groups]
-    snap_groups = [i for i, g in enumerate(groups) if g.snapshots is True]
-    pump = pump_for(recorder)
-    flat = [a for arrs in arrays for a in arrs]
-
-    def host(step_v: Any, *tensors: Any) -> None:
-        s = counter.next() if step_v is None else int(step_v)  # type: ignore[union-attr]
-        if not any(recorder.wants(s, k) for k in kinds):
-            return
-        host_arrays = [np.asarray(t) for t in tensors]
-        st = fused_stat_vectors(host_arrays)
-        snaps = None
-        if recorder.policy.is_full(s):
-            off, snaps = 0, []
-            for i, n in enumerate(sizes):
-                if i in snap_groups and recorder.policy.snapshots(s, kinds[i]):
-                    snaps.extend(np.array(a, copy=True) for a in host_arrays[off : off + n])
-                else:
-                    snaps.extend([None] * n)
-                off += n
-        pump.put(lambda: _apply(recorder, s, kinds, names, sizes, st, snaps, snap_groups))
-
-    if step is None:
-        io_callback(lambda *t: host(None, *t), None, *flat, ordered=True)
-    else:
-        io_callback(host, None, jnp.asarray(step, jnp.int32), *flat, ordered=True)
-
-
 def emit(
     recorder: Recorder,
     groups: Sequence[Group],
@@ -252,17 +187,14 @@ def emit(
         recorder.declare(specs_for(g.leaves, g.kind, g.layer_kinds))
     arrays = [[g.arrays[lf.index] for lf in g.leaves] for g in groups]
     sizes = [len(g.leaves) for g in groups]
-    if stats_mode() == "host" and not any(callable(g.snapshots) for g in groups):
-        _emit_host(recorder, groups, arrays, sizes, step=step, counter=counter)
-        return
-    stats = stat_matrix([a for arrs in arrays for a in arrs])
+    stats, decode = device_stats([a for arrs in arrays for a in arrs])
     kinds = [g.kind for g in groups]
     names = [tuple(lf.name for lf in g.leaves) for g in groups]
     pump = pump_for(recorder)
 
     def host(step_v: Any, stats_v: Any, *full: Any) -> None:
         s = counter.next() if step_v is None else int(step_v)
-        st = np.array(stats_v, dtype=np.float64)
+        st = decode(np.asarray(stats_v))
         snaps = [np.array(a, copy=True) for a in full] if full else None
         pump.put(lambda: _apply(recorder, s, kinds, names, sizes, st, snaps, snap_groups))
 
@@ -315,13 +247,10 @@ def _apply(
 ) -> None:
     off = 0
     snap_off = 0
-    full_length = snaps is not None and len(snaps) == sum(sizes)  # host mode: every group
     for i, (kind, nm, n) in enumerate(zip(kinds, names, sizes, strict=True)):
         snapshots = None
         if snaps is not None and i in snap_groups:
-            start = off if full_length else snap_off
-            part = snaps[start : start + n]
-            snapshots = dict(zip(nm, part, strict=True)) if part and part[0] is not None else None
+            snapshots = dict(zip(nm, snaps[snap_off : snap_off + n], strict=True))
             snap_off += n
         if recorder.wants(step, kind):
             if snapshots is not None and not recorder.policy.snapshots(step, kind):

@@ -1,18 +1,26 @@
-"""The schema stat vector computed on the device, inside the caller's jitted computation.
+"""The schema stat vector computed inside the caller's compiled computation.
 
-Per leaf: sum, shifted sum of squares, sum |x|, min, max and a nonzero count, computed
-in the caller's compiled computation (see :func:`stat_vector` for the NaN/Inf path).
-The vectors of all leaves are stacked into one ``[n, 9]`` float32 array that crosses to
-the host once per step. Cost on XLA:CPU: about one memory pass per reduction (six),
-measured in ``benchmarks/jax_overhead.py``.
+Two implementations, chosen per trace by :func:`stats_mode`:
+
+- ``kernel`` (CPU backend, the default there): :mod:`.ffi_kernel` — traintape's fused
+  single-pass C kernel as an XLA custom call; one read of each leaf; the result is the
+  raw-row matrix, finalised on the host.
+- ``xla`` (GPU/TPU, or no C compiler): :func:`stat_matrix` — XLA reductions per leaf
+  (sum, shifted sum of squares, sum |x|, min, max, nonzero count; see
+  :func:`stat_matrix` for the NaN/Inf path), stacked into one ``[n, 9]`` float32 array.
+
+Either way, one small matrix per step crosses to the host (:func:`device_stats` returns
+it with its host-side decoder). Costs are measured in ``benchmarks/jax_overhead.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from traintape.schema import N_STATS
 
@@ -137,3 +145,51 @@ def stat_matrix(arrays: Sequence[jax.Array]) -> jax.Array:
 def stat_vector(x: jax.Array) -> jax.Array:
     """Stat vector ``[9]`` float32 of one array (see :func:`stat_matrix`)."""
     return stat_matrix([x])[0]
+
+
+STATS_MODES = ("auto", "xla", "kernel")
+
+
+def stats_mode() -> str:
+    """Where the stat vectors of a computation being traced are computed: ``xla`` or
+    ``kernel``.
+
+    ``TRAINTAPE_JAX_STATS=auto|xla|kernel`` (default ``auto``). ``auto`` picks
+    ``kernel`` when the default backend is the CPU and the FFI kernel builds
+    (:func:`traintape.adapters.jax.ffi_kernel.available`), else ``xla``. ``kernel``
+    without a usable kernel raises.
+    """
+    from . import ffi_kernel
+
+    mode = os.environ.get("TRAINTAPE_JAX_STATS", "auto")
+    if mode not in STATS_MODES:
+        raise ValueError(f"TRAINTAPE_JAX_STATS must be one of {STATS_MODES}, not {mode!r}")
+    if mode == "auto":
+        cpu = jax.default_backend() == "cpu"
+        return "kernel" if cpu and ffi_kernel.available() else "xla"
+    if mode == "kernel" and not ffi_kernel.available():
+        raise RuntimeError(
+            "TRAINTAPE_JAX_STATS=kernel, but the JAX FFI stat kernel is unavailable "
+            "(no C compiler, or jaxlib's FFI header is missing)"
+        )
+    return mode
+
+
+def device_stats(
+    arrays: Sequence[jax.Array],
+) -> tuple[jax.Array, Callable[[np.ndarray], np.ndarray]]:
+    """Stats of ``arrays`` inside the computation being traced, plus the host decoder.
+
+    Returns ``(payload, decode)``: ``payload`` is the small device array to send to the
+    host (``[n, 9]`` float32 or the kernel's raw rows), and ``decode(np.asarray(payload))``
+    gives the stat vectors ``[n, 9]`` float64 in schema order.
+    """
+    if stats_mode() == "kernel":
+        from . import ffi_kernel
+
+        return ffi_kernel.raw_rows(arrays), ffi_kernel.decode
+    return stat_matrix(arrays), _decode_matrix
+
+
+def _decode_matrix(m: np.ndarray) -> np.ndarray:
+    return np.asarray(m, dtype=np.float64).reshape(-1, N_STATS)
