@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-JAX = ("jax-linen", "jax-nnx")
-
 
 @dataclass(frozen=True)
 class Gap:
@@ -23,39 +21,7 @@ class Gap:
     """True: also cells between two of ``frameworks`` differ (e.g. the worker fails)."""
 
 
-KNOWN_GAPS: tuple[Gap, ...] = (
-    Gap(
-        JAX,
-        ("cnn",),
-        ("float32", "float64"),
-        reason=(
-            "JAX adapter: Flax BatchNorm batch_stats are not recorded as param "
-            "bn1/running_mean, bn1/running_var (torch and Keras record them); and "
-            "traintape.jax.watch declares update specs without the layer_kind value_and_grad "
-            "gives param/grad (update bn1/scale: layer_kind None vs batch_norm)"
-        ),
-    ),
-    Gap(
-        JAX,
-        ("transformer",),
-        ("float32", "float64"),
-        reason=(
-            "JAX adapter: an attention module built from Dense q/k/v/o sub-modules records "
-            "activations attn/{q,k,v,o}/output and no attn/output (torch and Keras: "
-            "attn/output only); update specs of LayerNorm lack layer_kind (None vs layer_norm)"
-        ),
-    ),
-    Gap(
-        JAX,
-        ("gru",),
-        ("float32", "float64"),
-        reason=(
-            "JAX adapter: a GRU written as a module owning kernel_ih/kernel_hh/bias_ih/bias_hh "
-            "gets layer_kind None (torch and Keras: gru) and there is no public way to pass "
-            "layer kinds to value_and_grad/watch"
-        ),
-    ),
-)
+KNOWN_GAPS: tuple[Gap, ...] = ()
 
 
 def known_gap(dtype: str, model: str, a: str, b: str) -> str | None:

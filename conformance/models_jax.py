@@ -80,6 +80,10 @@ def gru_scan(x: Any, k_ih: Any, k_hh: Any, b_ih: Any, b_hh: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------- Linen
+LAYER_KINDS = {"attn": "attention", "gru": "gru"}
+"""The custom modules' layer kinds (torch/Keras know theirs from built-in classes)."""
+
+
 def linen_model(model_name: str, dtype: str) -> Any:
     import flax.linen as nn
     import jax
@@ -191,7 +195,7 @@ def train_linen(
             out, upd = model.apply({"params": p, "batch_stats": st}, xb, mutable=["batch_stats"])
             return _mse(out, yb), upd["batch_stats"]
 
-        vg = ttj.value_and_grad(loss_fn, has_aux=True, recorder=rec)
+        vg = ttj.value_and_grad(loss_fn, has_aux=True, recorder=rec, layer_kinds=LAYER_KINDS)
 
         @jax.jit
         def step(p: Any, st: Any, o: Any, xb: Any, yb: Any) -> Any:
@@ -244,6 +248,9 @@ def nnx_model(model_name: str, dtype: str) -> Any:
                                   use_bias=False, dtype=dt, param_dtype=dt, rngs=rngs)  # fmt: skip
             self.bn1 = nnx.BatchNorm(S.CNN_F1, momentum=S.BN_MOMENTUM_KERAS, epsilon=S.BN_EPS,
                                      dtype=dt, param_dtype=dt, rngs=rngs)  # fmt: skip
+            # nnx.BatchNorm keeps its running statistics in float32 whatever param_dtype
+            self.bn1.mean = nnx.BatchStat(jnp.zeros(S.CNN_F1, dt))
+            self.bn1.var = nnx.BatchStat(jnp.ones(S.CNN_F1, dt))
             self.head = linear(S.CNN_F1, S.CNN_OUT)
 
         def __call__(self, x: Any) -> Any:
@@ -333,7 +340,8 @@ def train_nnx(
     with recorder(url, model_name) as rec:
         opt = nnx.Optimizer(model, ttj.watch(_tx(optimizer), rec),
                             wrt=nnx.Param)  # fmt: skip
-        vg = ttj.nnx_value_and_grad(lambda m, xb, yb: _mse(m(xb), yb), recorder=rec)
+        vg = ttj.nnx_value_and_grad(lambda m, xb, yb: _mse(m(xb), yb), recorder=rec,
+                                    layer_kinds=LAYER_KINDS)  # fmt: skip
 
         @nnx.jit
         def step(m: Any, o: Any, xb: Any, yb: Any) -> None:

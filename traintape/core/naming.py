@@ -7,14 +7,46 @@ in the adapter), then calls :func:`canonical_name`, which applies the user's
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from collections.abc import Callable, Iterable, Mapping
 
 from traintape.schema import validate_name
+from traintape.schema.roles import LAYER_KINDS
 
 NameMap = Mapping[str, str] | Callable[[str], str] | None
 """User option: a mapping from a default canonical name (or the framework's own
 source name) to the wanted canonical name, or a callable doing the same."""
+
+LayerKinds = Mapping[str, str] | None
+"""User option: canonical layer path, or an ``fnmatch`` pattern such as ``blocks/*/attn``
+→ canonical layer kind (``dense``, ``attention``, ``gru``, ... see
+:mod:`traintape.schema.roles`). For layers an adapter cannot classify by itself (a
+custom module); overrides what the adapter infers."""
+
+
+def check_layer_kinds(layer_kinds: LayerKinds) -> dict[str, str]:
+    """Validate the ``layer_kinds`` option; raises ``ValueError`` naming a bad entry."""
+    out = dict(layer_kinds or {})
+    for path, kind in out.items():
+        if kind not in LAYER_KINDS:
+            raise ValueError(
+                f"layer_kinds[{path!r}] = {kind!r} is not a layer kind; "
+                f"use one of {sorted(LAYER_KINDS)}"
+            )
+    return out
+
+
+def lookup_layer_kind(layer: str, layer_kinds: Mapping[str, str]) -> str | None:
+    """The kind ``layer_kinds`` gives canonical layer path ``layer`` (exact match first,
+    then the first matching pattern), or None."""
+    if layer in layer_kinds:
+        return layer_kinds[layer]
+    for pattern, kind in layer_kinds.items():
+        if fnmatch.fnmatchcase(layer, pattern):
+            return kind
+    return None
+
 
 _INDEXED = re.compile(r"^(?P<base>[A-Za-z][A-Za-z0-9_-]*?)_(?P<index>\d+)$")
 

@@ -20,7 +20,7 @@ import platform
 import socket
 import threading
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -144,6 +144,7 @@ class Recorder:
         self._row: Row | None = None
         self._last_sealed: int | None = m.commit.last_step
         self._closed = False
+        self._sync_hooks: list[Callable[[bool], None]] = []
         try:
             self._writer = StoreWriter(
                 self.url,
@@ -199,12 +200,21 @@ class Recorder:
             data.update(fields)
             self._manifest.producer = Producer(**data)
 
-    def declare(self, specs: Sequence[TensorSpec]) -> None:
+    def declare(self, specs: Sequence[TensorSpec], *, in_forward_order: bool = True) -> None:
         """Declare the tensors of one or more kinds with full specs (adapters do this).
 
         The set of tensors of a kind is fixed by its first declaration (sorted canonical
         order = the stats array's tensor axis). Re-declaring the same set is a no-op;
         a different set is an error naming the tensors that differ.
+
+        Forward order: adapters declare ``activation`` specs in the order the layers ran
+        (``in_forward_order=False`` when they cannot know it). Unless the user set
+        ``user["forward_order"]``, the first such activation declaration stores that order
+        of layer paths there (the analyses and ``compare`` order layers by it).
+
+        Layer kinds: a layer's kind is a property of the layer, not of the kind of data.
+        A spec declared with ``layer_kind=None`` takes the kind already declared for the
+        same layer, and a later spec that knows the kind fills it into earlier ones.
         """
         with self._lock:
             by_kind: dict[Kind, list[TensorSpec]] = {}
@@ -219,13 +229,34 @@ class Recorder:
                     self._check_same_set(kind, names)
                     continue
                 check_no_prefix_clash(names)
-                ordered = sorted(ks, key=lambda s: s.name)
+                if (
+                    kind == Kind.ACTIVATION
+                    and in_forward_order
+                    and "forward_order" not in self._manifest.user
+                ):
+                    layers = [s.name.rsplit("/", 1)[0] for s in ks]
+                    self._manifest.user["forward_order"] = list(dict.fromkeys(layers))
+                ordered = self._harmonise_layer_kinds(sorted(ks, key=lambda s: s.name))
                 self._manifest.tensors = sorted(
                     [*self._manifest.tensors, *ordered],
                     key=lambda s: (list(Kind).index(s.kind), s.name),
                 )
                 self._declared[kind] = names
                 self._index[kind] = {n: i for i, n in enumerate(names)}
+
+    def _harmonise_layer_kinds(self, new: list[TensorSpec]) -> list[TensorSpec]:
+        """Fill ``layer_kind`` both ways between ``new`` and the declared specs (under lock)."""
+        known: dict[str, str] = {}
+        for s in [*self._manifest.tensors, *new]:
+            if s.layer_kind is not None:
+                known.setdefault(s.layer, s.layer_kind)
+
+        def fill(s: TensorSpec) -> TensorSpec:
+            k = known.get(s.layer)
+            return s.model_copy(update={"layer_kind": k}) if s.layer_kind is None and k else s
+
+        self._manifest.tensors = [fill(s) for s in self._manifest.tensors]
+        return [fill(s) for s in new]
 
     def _check_same_set(self, kind: Kind, names: Iterable[str]) -> None:
         got = set(names)
@@ -509,19 +540,44 @@ class Recorder:
         return True
 
     # ------------------------------------------------------------------ lifecycle
+    def add_sync_hook(self, hook: Callable[[bool], None]) -> None:
+        """Register ``hook(closing)``, run first thing in :meth:`flush` (``closing=False``)
+        and :meth:`close` (``True``), in registration order.
+
+        For adapters whose records arrive asynchronously (the JAX adapter's device
+        callbacks): the hook waits until every record of the work dispatched so far has
+        reached this recorder. An exception from a hook is raised after ``close`` has
+        finished committing what was recorded (nothing recorded is lost).
+        """
+        with self._lock:
+            self._sync_hooks.append(hook)
+
+    def _run_sync_hooks(self, closing: bool) -> BaseException | None:
+        first: BaseException | None = None
+        for hook in list(self._sync_hooks):
+            try:
+                hook(closing)
+            except BaseException as e:
+                first = first or e
+        return first
+
     def flush(self) -> None:
         """Commit every sealed row and pending snapshot; returns when durable.
 
         The open step stays open (more data for it may follow); :meth:`close` seals it.
         """
+        err = self._run_sync_hooks(False)
         self._drain()
         self._writer.flush()
+        if err is not None:
+            raise err
         self._raise_if_strict()
 
     def close(self) -> None:
         """Seal the open step, commit everything, trim arrays, mark the run closed."""
         if self._closed:
             return
+        err = self._run_sync_hooks(True)
         with self._lock:
             if self._writer.error is None:
                 self._seal()
@@ -529,6 +585,8 @@ class Recorder:
         with self._lock:
             self._closed = True
         self._writer.close()
+        if err is not None:
+            raise err
         self._raise_if_strict()
 
     def _raise_if_strict(self) -> None:

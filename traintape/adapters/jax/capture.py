@@ -18,6 +18,7 @@ step's callback has fired (see :func:`pump_for`).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import warnings
@@ -76,21 +77,17 @@ class Pump:
         if err is not None:
             raise err
 
-    def stop(self) -> None:
-        """Nothing to stop (kept for symmetry with :func:`pump_for`'s close hook)."""
-
 
 _PUMPS: dict[int, Pump] = {}
 _PUMPS_LOCK = threading.Lock()
 
 
 def pump_for(recorder: Recorder) -> Pump:
-    """The recorder's pump; on first use hooks ``close``/``flush`` to wait for callbacks.
+    """The recorder's pump; on first use registers a :meth:`Recorder.add_sync_hook`.
 
-    The hook (an instance attribute, the core Recorder is unchanged) runs
-    ``jax.effects_barrier()`` so every dispatched step's callback has fired, then drains
-    the pump, then the original method: when ``recorder.close()`` returns, every step run
-    before it is in the store.
+    The hook runs ``jax.effects_barrier()`` so every dispatched step's callback has
+    fired, then re-raises a failure kept by the pump: when ``recorder.close()`` (or
+    ``flush()``) returns, every step run before it is in the store.
     """
     with _PUMPS_LOCK:
         pump = _PUMPS.get(id(recorder))
@@ -98,25 +95,17 @@ def pump_for(recorder: Recorder) -> Pump:
             return pump
         pump = Pump(recorder)
         _PUMPS[id(recorder)] = pump
-    orig_close, orig_flush = recorder.close, recorder.flush
 
-    def close() -> None:
+    def sync(closing: bool) -> None:
         try:
             jax.effects_barrier()
             pump.drain()
         finally:
-            pump.stop()
-            with _PUMPS_LOCK:
-                _PUMPS.pop(id(recorder), None)
-            orig_close()
+            if closing:
+                with _PUMPS_LOCK:
+                    _PUMPS.pop(id(recorder), None)
 
-    def flush() -> None:
-        jax.effects_barrier()
-        pump.drain()
-        orig_flush()
-
-    recorder.close = close  # type: ignore[method-assign]
-    recorder.flush = flush  # type: ignore[method-assign]
+    recorder.add_sync_hook(sync)
     return pump
 
 
@@ -149,6 +138,8 @@ class Group:
     batch, whose snapshots are only meaningful for a fixed probe batch); or a function
     returning the snapshot tensors by name, traced inside the full-capture branch only
     (activations of a fixed probe batch: the probe forward pass runs on those steps only)."""
+    in_forward_order: bool = True
+    """Activations: whether ``leaves`` are in the order the layers ran."""
 
 
 def fetch_step(counter: StepCounter) -> jax.Array:
@@ -175,8 +166,7 @@ def emit(
     """
     policy = recorder.policy
     groups = [
-        Group(g.kind, [lf for lf in g.leaves if policy.selects(lf.name)], g.arrays, g.layer_kinds,
-              g.snapshots)
+        dataclasses.replace(g, leaves=[lf for lf in g.leaves if policy.selects(lf.name)])
         for g in groups
         if policy.records_kind(g.kind)
     ]  # fmt: skip
@@ -184,8 +174,10 @@ def emit(
     if not groups or not recorder.enabled:
         return
     for g in groups:
-        recorder.declare(specs_for(g.leaves, g.kind, g.layer_kinds))
-    arrays = [[g.arrays[lf.index] for lf in g.leaves] for g in groups]
+        recorder.declare(
+            specs_for(g.leaves, g.kind, g.layer_kinds), in_forward_order=g.in_forward_order
+        )
+    arrays = [[lf.canonical(g.arrays[lf.index]) for lf in g.leaves] for g in groups]
     sizes = [len(g.leaves) for g in groups]
     stats, decode = device_stats([a for arrs in arrays for a in arrs])
     kinds = [g.kind for g in groups]

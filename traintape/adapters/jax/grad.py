@@ -25,12 +25,12 @@ from typing import Any
 import jax
 
 from traintape.core import Recorder
-from traintape.core.naming import NameMap
+from traintape.core.naming import LayerKinds, NameMap, join
 from traintape.schema import Kind
 
 from .capture import Group, StepCounter, emit
 from .flax import Activations, linen_activations, nnx_capture
-from .names import named_leaves
+from .names import Leaf, named_leaves
 
 
 def _set_producer(recorder: Recorder) -> None:
@@ -42,18 +42,19 @@ def _set_producer(recorder: Recorder) -> None:
 def _wrap_for_activations(
     fun: Callable[..., Any], has_aux: bool, sink: Activations, linen: bool
 ) -> Callable[..., Any]:
-    """fun → fun2 returning (value, (aux, activations)) so activations leave the AD trace."""
+    """fun → fun2 returning (value, (aux, (activations, state))): activations and module
+    state (Linen ``batch_stats`` as read before the call) leave the AD trace as aux."""
 
     def fun2(*args: Any, **kwargs: Any) -> Any:
-        sink.items.clear()
+        sink.clear()
         if linen:
             with linen_activations(sink):
                 out = fun(*args, **kwargs)
         else:
             out = fun(*args, **kwargs)
         value, aux = out if has_aux else (out, None)
-        acts = {n: a for n, (a, _, _) in sink.items.items()}
-        return value, (aux, acts)
+        state = {n: a for n, (a, _, _) in sink.state.items()}
+        return value, (aux, (sink.finish(), state))
 
     return fun2
 
@@ -63,6 +64,7 @@ def _record(
     params: Any,
     grads: Any,
     acts: dict[str, jax.Array],
+    state: dict[str, jax.Array],
     sink: Activations,
     *,
     argnums: int | Sequence[int],
@@ -71,24 +73,31 @@ def _record(
     counter: StepCounter,
     layer_kinds: dict[str, str | None] | None = None,
     probe: Callable[[], dict[str, jax.Array]] | None = None,
+    acts_in_forward_order: bool = True,
 ) -> None:
+    """Emit ``param`` (θ_t: the differentiated leaves plus non-trainable ``state``),
+    ``grad`` and ``activation`` groups for one call."""
     if isinstance(argnums, int):
         p_leaves = named_leaves(params, name_map, root=f"arg{argnums}")
     else:
         p_leaves = named_leaves(tuple(params), name_map)
     # layer kinds known from the modules seen by the activation capture (Linen/NNX)
-    seen = {n.rsplit("/", 1)[0] if "/" in n else "": k for n, (_, k, _) in sink.items.items()}
-    layer_kinds = {**seen, **(layer_kinds or {})}
+    layer_kinds = {**sink.layers_kinds(), **(layer_kinds or {})}
     g_flat = jax.tree_util.tree_leaves(grads)
     p_flat = jax.tree_util.tree_leaves(params)
-    groups = [
-        Group(Kind.PARAM, p_leaves, p_flat, layer_kinds),
-        Group(Kind.GRAD, p_leaves, g_flat, layer_kinds),
+    taken = {lf.name for lf in p_leaves}
+    state_names = [n for n in sink.state if n in state and n not in taken]
+    s_leaves = [
+        Leaf(n, sink.state[n][2], len(p_flat) + i, tuple(state[n].shape), state[n].dtype)
+        for i, n in enumerate(state_names)
     ]
+    groups = [
+        Group(Kind.PARAM, p_leaves + s_leaves, p_flat + [state[n] for n in state_names],
+              layer_kinds),
+        Group(Kind.GRAD, p_leaves, g_flat, layer_kinds),
+    ]  # fmt: skip
     if acts:
-        from .names import Leaf
-
-        names = sorted(acts)
+        names = [n for n in sink.items if n in acts]  # forward order
         a_leaves = [
             Leaf(n, sink.items[n][2], i, tuple(acts[n].shape), acts[n].dtype)
             for i, n in enumerate(names)
@@ -99,8 +108,9 @@ def _record(
                 Kind.ACTIVATION,
                 a_leaves,
                 [acts[n] for n in names],
-                kinds,
+                {**layer_kinds, **kinds},
                 snapshots=probe if probe is not None else False,
+                in_forward_order=acts_in_forward_order,
             )
         )
     emit(recorder, groups, step=step, counter=counter)
@@ -117,6 +127,7 @@ def value_and_grad(
     start_step: int = 0,
     activations: bool = True,
     probe: Mapping[int | str, Any] | None = None,
+    layer_kinds: LayerKinds = None,
     holomorphic: bool = False,
     allow_int: bool = False,
 ) -> Callable[..., Any]:
@@ -141,7 +152,13 @@ def value_and_grad(
         step_kwarg: name of an extra keyword argument carrying the optimizer step
             (explicit mode, removed before ``fun`` is called); ``None``: automatic mode.
         start_step: first step number of the automatic mode (e.g. after resuming).
-        activations: record Flax Linen activations when the policy asks for them.
+        activations: record Flax Linen activations (and BatchNorm ``batch_stats`` as
+            ``param`` ``running_mean``/``running_var``, read before the call) when the
+            policy asks for them.
+        layer_kinds: canonical layer path (or ``fnmatch`` pattern) → layer kind, for
+            custom modules: ``{"blocks/*/attn": "attention"}`` makes each such module one
+            attention layer (its output recorded, its q/k/v/o sub-layer outputs not),
+            ``{"gru": "gru"}`` marks a hand-written recurrent layer.
         probe: a fixed probe batch for activation snapshots: argument position (or
             keyword name) → value substituted into the call, e.g. ``{1: x_probe}``. On
             full-capture steps (only) ``fun`` is run forward on it with the current
@@ -150,9 +167,8 @@ def value_and_grad(
     """
     _set_producer(recorder)
     counter = StepCounter(start_step)
-    sink = Activations(name_map)
-    want_acts = activations and recorder.policy.records_kind(Kind.ACTIVATION)
-    inner = _wrap_for_activations(fun, has_aux, sink, linen=want_acts)
+    sink = Activations(name_map, layer_kinds)
+    inner = _wrap_for_activations(fun, has_aux, sink, linen=activations)
     vg = jax.value_and_grad(
         inner, argnums, has_aux=True, holomorphic=holomorphic, allow_int=allow_int
     )
@@ -162,8 +178,10 @@ def value_and_grad(
         step = kwargs.pop(step_kwarg, None) if step_kwarg else None
         if step_kwarg and step is None:
             raise TypeError(f"missing the step keyword argument {step_kwarg!r}")
-        (value, (aux, acts)), grads = vg(*args, **kwargs)
+        (value, (aux, (acts, state))), grads = vg(*args, **kwargs)
         params = args[argnums] if isinstance(argnums, int) else tuple(args[i] for i in argnums)
+        if not recorder.policy.records_kind(Kind.ACTIVATION):
+            acts = {}
         probe_fn = None
         if probe is not None and acts:
 
@@ -175,11 +193,11 @@ def value_and_grad(
                         a[key] = value
                     else:
                         kw[key] = value
-                _, (_, probe_acts) = inner(*a, **kw)
+                _, (_, (probe_acts, _)) = inner(*a, **kw)
                 return probe_acts
 
         _record(
-            recorder, params, grads, acts, sink,
+            recorder, params, grads, acts, state, sink,
             argnums=argnums, name_map=name_map, step=step, counter=counter, probe=probe_fn,
         )  # fmt: skip
         return ((value, aux), grads) if has_aux else (value, grads)
@@ -197,23 +215,31 @@ def nnx_value_and_grad(
     step_kwarg: str | None = None,
     start_step: int = 0,
     activations: bool = True,
+    layer_kinds: LayerKinds = None,
 ) -> Callable[..., Any]:
     """Drop-in for :func:`flax.nnx.value_and_grad` (differentiates the ``nnx.Param``
     state of the module at ``argnums``) that records ``param``, ``grad`` and, when the
-    policy asks, ``activation`` (``__call__`` outputs of parametrised submodules,
-    captured with ``nnx.capture``). Returns exactly what ``nnx.value_and_grad`` returns
-    (grads as an ``nnx.State``). Names: the module's attribute path, list indices as
-    segments (``layers/0/kernel``) — the same names a Linen model with submodules
-    ``layers_0`` gets. Step accounting as in :func:`value_and_grad`. Use it inside
-    ``nnx.jit`` or ``jax.jit`` as you would ``nnx.value_and_grad``.
+    policy asks, ``activation`` (``__call__`` outputs of layers, captured with
+    ``nnx.capture``). ``nnx.BatchStat`` variables (BatchNorm ``mean``/``var``) are
+    recorded as ``param`` ``running_mean``/``running_var``, read before the call (θ_t).
+    Returns exactly what ``nnx.value_and_grad`` returns (grads as an ``nnx.State``).
+    Names: the module's attribute path, list indices as segments (``layers/0/kernel``) —
+    the same names a Linen model with submodules ``layers_0`` gets. ``layer_kinds`` and
+    step accounting as in :func:`value_and_grad`. Use it inside ``nnx.jit`` or
+    ``jax.jit`` as you would ``nnx.value_and_grad``.
+
+    Forward order is not known here (``nnx.capture`` returns outputs by path), so the
+    store's ``forward_order`` is left to the user (``Recorder(user={"forward_order":
+    [...]})``).
     """
     from flax import nnx
 
     from .flax import layer_kind_of
+    from .names import default_segments
 
     _set_producer(recorder)
     counter = StepCounter(start_step)
-    sink = Activations(name_map)
+    sink = Activations(name_map, layer_kinds)
     want_acts = activations and recorder.policy.records_kind(Kind.ACTIVATION)
 
     def inner(*args: Any, **kwargs: Any) -> Any:
@@ -225,7 +251,7 @@ def nnx_value_and_grad(
         else:
             out = fun(*args, **kwargs)
         value, aux = out if has_aux else (out, None)
-        return value, (aux, {n: a for n, (a, _, _) in sink.items.items()})
+        return value, (aux, sink.finish())
 
     vg = nnx.value_and_grad(inner, argnums=argnums, has_aux=True)
 
@@ -234,20 +260,23 @@ def nnx_value_and_grad(
         step = kwargs.pop(step_kwarg, None) if step_kwarg else None
         if step_kwarg and step is None:
             raise TypeError(f"missing the step keyword argument {step_kwarg!r}")
-        (value, (aux, acts)), grads = vg(*args, **kwargs)
         model = args[argnums]
-        params = nnx.state(model, nnx.Param)
         kinds: dict[str, str | None] = {}
+        sink.state.clear()
         for path, node in nnx.iter_graph(model):
             if isinstance(node, nnx.Module):
-                from traintape.core.naming import join
-
-                from .names import default_segments
-
-                kinds[join(default_segments([*path, "x"])[:-1])] = layer_kind_of(node)
+                layer = join(default_segments([*path, "x"])[:-1])
+                kinds[layer] = sink.kind(tuple(path), node)[0] or layer_kind_of(node)
+                stats = {k: v[...] for k, v in vars(node).items() if isinstance(v, nnx.BatchStat)}
+                if stats:  # before the call: θ_t
+                    sink.add_state(tuple(path), stats, kinds[layer])
+        state = {n: a for n, (a, _, _) in sink.state.items()}
+        (value, (aux, acts)), grads = vg(*args, **kwargs)
+        params = nnx.state(model, nnx.Param)
         _record(
-            recorder, params, grads, acts, sink,
+            recorder, params, grads, acts, state, sink,
             argnums=0, name_map=name_map, step=step, counter=counter, layer_kinds=kinds,
+            acts_in_forward_order=False,
         )  # fmt: skip
         return ((value, aux), grads) if has_aux else (value, grads)
 

@@ -8,8 +8,14 @@ Rules (DESIGN "Canonical names"):
 - Linen list submodules ``layers_0`` become ``layers/0`` (:func:`split_indexed`);
 - the leaf becomes its canonical role (``embeddings`` → ``embedding``, ``mean`` →
   ``running_mean``, ``gamma`` → ``scale`` ...);
+- Flax attention (Linen ``MultiHeadDotProductAttention``, NNX ``MultiHeadAttention``):
+  a layer whose sub-layers are exactly ``query``, ``key``, ``value``, ``out`` with
+  ``DenseGeneral`` kernels becomes the canonical ``q``, ``k``, ``v``, ``o`` dense
+  sub-layers, kernels reshaped to (in, heads * head_dim) / (heads * head_dim, out) and
+  q/k/v biases to (heads * head_dim,) (row-major reshapes; ``source_shape`` keeps
+  Flax's) — the layout PyTorch's ``in_proj_weight`` and Keras's attention kernels map to;
 - the user's ``name_map`` (mapping or callable) is applied last, by the shared
-  :func:`traintape.core.naming.canonical_name`.
+  :func:`traintape.core.naming.apply_name_map`.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from traintape.core.naming import NameMap, canonical_name, split_indexed
+from traintape.core.naming import NameMap, apply_name_map, join, split_indexed
 from traintape.schema import Kind, TensorSpec, split_name
 from traintape.schema.roles import canonical_role
 
@@ -74,7 +80,47 @@ class Leaf:
     index: int
     """Position among the tree's flattened leaves."""
     shape: tuple[int, ...]
+    """Canonical shape."""
     dtype: np.dtype
+    source_shape: tuple[int, ...] | None = None
+    """The framework's shape when it differs (a row-major reshape), else None."""
+
+    def canonical(self, x: Any) -> Any:
+        """``x`` (this leaf's array as the framework holds it) in canonical layout."""
+        return x if self.source_shape is None else x.reshape(self.shape)
+
+
+_FLAX_ATTENTION = {"query": "q", "key": "k", "value": "v", "out": "o"}
+
+
+def _attention_layout(
+    names: list[list[str]], shapes: list[tuple[int, ...]]
+) -> list[tuple[list[str], tuple[int, ...] | None]]:
+    """Rename Flax attention sub-layers to q/k/v/o and flatten their head axes (see the
+    module docstring). Returns (segments, canonical shape or None) per leaf."""
+    by_name = {join(n): shape for n, shape in zip(names, shapes, strict=True)}
+    layers = {
+        join(n[:-2])
+        for n in names
+        if len(n) >= 2 and n[-1] == "kernel" and n[-2] == "query"
+        and all(len(by_name.get(join([*n[:-2], sub, "kernel"]), ())) == 3
+                for sub in _FLAX_ATTENTION)
+    }  # fmt: skip
+    out: list[tuple[list[str], tuple[int, ...] | None]] = []
+    for n, shape in zip(names, shapes, strict=True):
+        if len(n) < 2 or join(n[:-2]) not in layers or n[-2] not in _FLAX_ATTENTION:
+            out.append((n, None))
+            continue
+        sub, role = n[-2], n[-1]
+        new: tuple[int, ...] | None = None
+        if role == "kernel":
+            new = (
+                (shape[0] * shape[1], shape[2]) if sub == "out" else (shape[0], shape[1] * shape[2])
+            )
+        elif role == "bias" and sub != "out" and len(shape) == 2:
+            new = (shape[0] * shape[1],)
+        out.append(([*n[:-2], _FLAX_ATTENTION[sub], role], new))
+    return out
 
 
 def named_leaves(
@@ -93,22 +139,29 @@ def named_leaves(
     from traintape.core.errors import RecordError
 
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    leaves: list[Leaf] = []
-    seen: dict[str, str] = {}
+    found: list[tuple[int, str, list[str], tuple[int, ...], np.dtype]] = []
     for i, (path, x) in enumerate(flat):
         dtype = np.dtype(getattr(x, "dtype", np.float32))
         if dtype.kind not in "fc" and dtype.name != "bfloat16":
             continue
         raw = [*prefix, *raw_segments(path)] or [root]
         source = "/".join(str(s) for s in raw)
-        name = canonical_name(default_segments(raw), name_map, source)
+        found.append((i, source, default_segments(raw), tuple(np.shape(x)), dtype))
+    layouts = _attention_layout([f[2] for f in found], [f[3] for f in found])
+    leaves: list[Leaf] = []
+    seen: dict[str, str] = {}
+    for (i, source, _, shape, dtype), (segs, new_shape) in zip(found, layouts, strict=True):
+        name = apply_name_map(join(segs), name_map, source)
         if name in seen:
             raise RecordError(
                 f"leaves {seen[name]!r} and {source!r} both map to canonical name {name!r}; "
                 f"pass a name_map to tell them apart"
             )
         seen[name] = source
-        leaves.append(Leaf(name, source, i, tuple(np.shape(x)), dtype))
+        if new_shape is None:
+            leaves.append(Leaf(name, source, i, shape, dtype))
+        else:
+            leaves.append(Leaf(name, source, i, new_shape, dtype, source_shape=shape))
     return leaves
 
 
@@ -155,6 +208,7 @@ def specs_for(
         shape: list[int | None] = list(leaf.shape)
         if kind == Kind.ACTIVATION and shape:
             shape[0] = None
+        source_shape = shape if leaf.source_shape is None else list(leaf.source_shape)
         specs.append(
             TensorSpec(
                 name=leaf.name,
@@ -165,7 +219,7 @@ def specs_for(
                 dtype=leaf.dtype.name,
                 shape=shape,
                 source_name=leaf.source_name,
-                source_shape=shape,
+                source_shape=source_shape,
             )
         )
     return specs

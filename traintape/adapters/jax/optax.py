@@ -55,14 +55,15 @@ def _opt_state_leaves(state: Any, params: Any, name_map: NameMap) -> tuple[list[
         segs = [str(s) for s in raw_segments(path)]
         for k in range(len(segs)):
             leaf = by_path.get(tuple(segs[k:]))
-            if leaf is None or tuple(jnp.shape(x)) != leaf.shape:
+            if leaf is None or tuple(jnp.shape(x)) != (leaf.source_shape or leaf.shape):
                 continue
             fields = [s for s in segs[:k] if not s.isdigit()]
             field = fields[-1] if fields else "state"
             name = canonical_name([leaf.name, field], None, f"{'/'.join(segs)}")
             if any(lf.name == name for lf in leaves):
                 name = canonical_name([leaf.name, *[s for s in segs[:k]]], None)
-            leaves.append(Leaf(name, "/".join(segs), len(arrays), leaf.shape, jnp.dtype(x.dtype)))
+            leaves.append(Leaf(name, "/".join(segs), len(arrays), leaf.shape, jnp.dtype(x.dtype),
+                               source_shape=leaf.source_shape))  # fmt: skip
             arrays.append(x)
             break
     return leaves, arrays
