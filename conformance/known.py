@@ -35,13 +35,3 @@ def known_gap(dtype: str, model: str, a: str, b: str) -> str | None:
             return g.reason
     return None
 
-
-TORCH_OPTIMIZER_HOOKS: str = (
-    "torch adapter: with watch(..., optimizer=opt), step t's param is read in the "
-    "optimizer's step pre-hook, i.e. after batch t's forward pass, so BatchNorm "
-    "running_mean/running_var (and the probe's eval-mode activations) are those *after* "
-    "batch t; without an optimizer (handle.step()) and in Keras/JAX they are those "
-    "before batch t. The conformance runs use handle.step(); fix: copy buffers and run "
-    "the probe at the step boundary (traintape/adapters/torch/watch.py)"
-)
-"""Known gap exercised by tests/test_conformance.py (strict xfail)."""

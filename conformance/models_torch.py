@@ -113,11 +113,10 @@ def train(
     """Train ``model_name`` for ``steps`` SGD-momentum steps, recording into ``url``.
 
     ``boundaries``: ``'step'`` (default) watches without the optimizer and calls
-    ``handle.step()`` after each update, so step t's ``param`` — BatchNorm running
-    statistics included — is taken before batch t's forward pass, as Keras and JAX
-    record it; ``'optimizer'`` uses the optimizer step hooks, which (traintape 0.1)
-    read running statistics *after* batch t's forward pass (a reported gap, see
-    ``conformance.known``). ``weights`` (default :func:`conformance.spec.initial_weights`)
+    ``handle.step()`` after each update; ``'optimizer'`` uses the optimizer's step hooks.
+    Both take step t's ``param`` — BatchNorm running statistics included — before batch
+    t's forward pass, as Keras and JAX record it (a test checks the two stores agree).
+    ``weights`` (default :func:`conformance.spec.initial_weights`)
     and ``mutate`` (called on the loaded model) exist for the negative controls.
     """
     import traintape.torch as ttt

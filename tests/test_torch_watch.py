@@ -66,15 +66,17 @@ def test_grads_params_updates_equal_torch(mem_url, opt_name):
     rec = Recorder(mem_url, CapturePolicy(full_every=1))
     with rec, watch(model, rec, optimizer=opt):
         for i in range(3):
+            # θ_t: everything before batch t's forward pass (the forward updates the
+            # BatchNorm running statistics in place; weights only change in opt.step())
+            theta = to_canonical(model)
+            want["param"].append(theta)
             opt.zero_grad()
             loss_of(model, i).backward()
-            before = to_canonical(model)
-            want["param"].append(before)
             want["grad"].append(canonical_grads(model))
             opt.step()
             after = to_canonical(model)
             want["update"].append(
-                {k: after[k] - before[k] for k in want["grad"][-1]}  # trainable only
+                {k: after[k] - theta[k] for k in want["grad"][-1]}  # trainable only
             )
     run = traintape.open_run(mem_url)
     assert list(run.steps) == [0, 1, 2]
@@ -319,3 +321,66 @@ def test_bfloat16_model_records_and_validates(mem_url):
     assert run.spec("kernel", "param").dtype == "bfloat16"
     np.testing.assert_array_equal(np.asarray(run.snapshot("kernel", "param", 0), np.float32), w)
     assert traintape.validate(mem_url).ok
+
+
+def test_batchnorm_buffers_and_probe_are_theta_t_with_optimizer_hooks(mem_url):
+    """With optimizer hooks, step t's running statistics and probe activations are those
+    *before* batch t's forward pass (read at the end of step t - 1), as with step()."""
+    torch.manual_seed(0)
+    model = ConvNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    probe, _ = batch(50, 2)
+    rec = Recorder(mem_url, CapturePolicy(full_every=1))
+    want_mean, want_var, want_bn = [], [], []
+    with rec, watch(model, rec, optimizer=opt, probe=probe):
+        for i in range(3):
+            want_mean.append(model.bn.running_mean.clone().numpy())
+            want_var.append(model.bn.running_var.clone().numpy())
+            model.eval()
+            with torch.no_grad():
+                want_bn.append(model.bn(model.conv(probe)).permute(0, 2, 3, 1).numpy())
+            model.train()
+            opt.zero_grad()
+            loss_of(model, i).backward()
+            assert not np.array_equal(model.bn.running_mean.numpy(), want_mean[-1])
+            opt.step()
+    run = traintape.open_run(mem_url)
+    for t in range(3):
+        np.testing.assert_array_equal(run.snapshot("bn/running_mean", "param", t), want_mean[t])
+        np.testing.assert_array_equal(run.snapshot("bn/running_var", "param", t), want_var[t])
+        np.testing.assert_array_equal(run.snapshot("bn/output", "activation", t), want_bn[t])
+    names = run.tensor_names("param")
+    i = names.index("bn/running_mean")
+    np.testing.assert_allclose(
+        run.stats_array("param")[2, i], stat_vectors([want_mean[2]])[0], rtol=2e-5, atol=1e-7
+    )
+    assert traintape.validate(mem_url).ok
+
+
+class OutOfOrder(nn.Module):
+    """Attributes declared (and named) in an order unlike the forward order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(4, 2)
+        self.norm = nn.LayerNorm(4)
+        self.body = nn.Linear(3, 4)
+
+    def forward(self, x):
+        return self.head(self.norm(self.body(x)))
+
+
+@pytest.mark.parametrize("with_probe", [False, True])
+def test_activations_declared_in_forward_order(mem_url, with_probe):
+    torch.manual_seed(0)
+    model = OutOfOrder()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = Recorder(mem_url, CapturePolicy(full_every=1))
+    probe = torch.randn(2, 3) if with_probe else None
+    with rec, watch(model, rec, optimizer=opt, probe=probe):
+        opt.zero_grad()
+        model(torch.randn(5, 3)).sum().backward()
+        opt.step()
+    run = traintape.open_run(mem_url)
+    assert run.manifest.user["forward_order"] == ["body", "norm", "head"]
+    assert run.tensor_names("activation") == ["body/output", "head/output", "norm/output"]

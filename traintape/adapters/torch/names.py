@@ -249,6 +249,7 @@ class _Builder:
 
 
 def _own_tensors(mod: nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
+    out: list[tuple[str, torch.Tensor, bool]]
     out = [(n, p, False) for n, p in mod.named_parameters(recurse=False)]
     out += [(n, b, True) for n, b in mod.named_buffers(recurse=False) if b is not None]
     return out
@@ -257,8 +258,9 @@ def _own_tensors(mod: nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
 def unwrap(model: nn.Module) -> nn.Module:
     """Strip ``torch.compile`` and (Distributed)DataParallel wrappers."""
     while True:
-        if hasattr(model, "_orig_mod"):
-            model = model._orig_mod
+        inner = getattr(model, "_orig_mod", None)
+        if isinstance(inner, nn.Module):
+            model = inner
         elif isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
             model = model.module
         else:

@@ -1,19 +1,37 @@
 """``traintape.torch.watch``: hooks that record a torch model's training into a Recorder.
 
 Step semantics (DESIGN): step ``t`` counts completed optimizer steps from ``start_step``.
+``param`` at step t is θ_t, the values *before* batch t's forward pass (the values the
+gradient of step t is computed with); ``update`` = θ_{t+1} − θ_t; ``opt_state`` is the
+optimizer state *after* step t. The *step boundary* of step t is the end of step t − 1
+(or the ``watch`` call for the first step).
 
-With an optimizer, everything happens in the optimizer's step hooks:
+With an optimizer, the step boundary is the optimizer's step post-hook:
 
-- step pre-hook (parameters are still θ_t, ``p.grad`` holds the gradient accumulated
-  over all micro-batches of step t): ``param`` = θ_t, ``grad`` = ``p.grad``; θ_t is
-  copied (one batched ``torch._foreach_copy_``) if ``update`` is recorded;
-- step post-hook: ``update`` = θ_{t+1} − θ_t, then one device→host transfer of every raw
-  stat of the step and ``Recorder.record_stats`` per kind; the step counter advances.
+- at the boundary (post-hook of step t − 1, or ``watch`` itself): ``param`` stats and
+  snapshots of *buffers* (BatchNorm ``running_mean``/``running_var``, which batch t's
+  forward pass changes in place) and the activation probe (θ_t, before batch t);
+- step pre-hook (trainable/frozen parameters are still θ_t — a forward pass does not
+  change them — and ``p.grad`` holds the gradient accumulated over all micro-batches
+  of step t): ``param`` of the parameters, ``grad`` = ``p.grad``; θ_t is copied (one
+  batched ``torch._foreach_copy_``) if ``update`` is recorded;
+- step post-hook: ``update`` = θ_{t+1} − θ_t, ``opt_state`` (see below), then one
+  device→host transfer of every raw stat of the step and ``Recorder.record_stats`` per
+  kind; the step counter advances and the boundary reads of step t + 1 are taken.
 
 Without an optimizer, call :meth:`WatchHandle.step` once per step *after* the parameter
 update and *before* gradients are zeroed: it records ``grad`` (current ``p.grad``),
-``update`` (θ now − θ at the previous boundary) and ``param`` θ_t (taken at the previous
-boundary, or when ``watch`` was called for the first step).
+``update`` (θ now − θ at the previous boundary) and ``param`` θ_t (everything taken at
+the previous boundary, or when ``watch`` was called for the first step).
+
+Optimizer state (kind ``opt_state``, when the policy records it and an optimizer is
+given): every parameter-shaped tensor in ``optimizer.state[p]`` after step t, under
+``<parameter canonical name>/<field>`` with the parameter's row block and permutation.
+Fields use optax's state names so stores agree with the JAX adapter (see
+:data:`OPTAX_FIELDS`: Adam ``exp_avg``/``exp_avg_sq`` → ``mu``/``nu``, SGD
+``momentum_buffer`` → ``trace``, ...); other optimizers keep torch's key. The set is
+fixed at the first captured step with any state; a parameter with no state yet is
+recorded as zeros (optax's initial state).
 
 Gradient hooks (``register_post_accumulate_grad_hook``) fire once per parameter per
 backward pass; they count backward passes and trigger the batched reduction of the
@@ -23,10 +41,12 @@ got no gradient at a step is recorded as an all-zero gradient.
 Activations: forward hooks on every parametrised module stash the (detached) output;
 their stats are reduced in one batched call per micro-batch and merged over the
 micro-batches of the step (stats over the whole batch). Forward passes run with grad
-disabled (evaluation) are ignored. Full snapshots of activations
-are taken only for a fixed ``probe`` input on full-capture steps: the model is run on it
-in ``eval()`` mode under ``torch.no_grad()`` with parameters θ_t (no RNG use, no
-BatchNorm update), and the outputs are stored channels-last.
+disabled (evaluation) are ignored. They are declared to the recorder in the order the
+forward hooks first fired (the recorder derives ``manifest.user["forward_order"]`` from
+it). Full snapshots of activations are taken only for a fixed ``probe`` input on
+full-capture steps, at the step boundary: the model is run on it in ``eval()`` mode
+under ``torch.no_grad()`` with θ_t (no RNG use, no BatchNorm update), and the outputs
+are stored channels-last.
 
 ``torch.compile``: the forward hooks only stash outputs, so dynamo traces them without a
 graph break (tested with ``fullgraph=True``, CPU); all statistics run eagerly in the
@@ -59,7 +79,7 @@ from traintape.adapters.torch.names import (
     activation_tensor,
     model_layout,
 )
-from traintape.core.naming import NameMap
+from traintape.core.naming import NameMap, canonical_name
 from traintape.core.recorder import Recorder
 from traintape.schema import Kind, TensorSpec
 
@@ -84,6 +104,33 @@ def numpy_dtype_name(dtype: torch.dtype) -> str:
     return str(torch.empty((), dtype=dtype).numpy().dtype)
 
 
+OPTAX_FIELDS: dict[str, dict[str, str]] = {
+    "Adam": {"exp_avg": "mu", "exp_avg_sq": "nu", "max_exp_avg_sq": "nu_max"},
+    "AdamW": {"exp_avg": "mu", "exp_avg_sq": "nu", "max_exp_avg_sq": "nu_max"},
+    "NAdam": {"exp_avg": "mu", "exp_avg_sq": "nu"},
+    "RAdam": {"exp_avg": "mu", "exp_avg_sq": "nu"},
+    "Adamax": {"exp_avg": "mu", "exp_inf": "nu"},
+    "SGD": {"momentum_buffer": "trace"},
+    "RMSprop": {"square_avg": "nu", "grad_avg": "mu", "momentum_buffer": "trace"},
+    "Adagrad": {"sum": "sum_of_squares"},
+    "Adadelta": {"square_avg": "e_g", "acc_delta": "e_x"},
+}
+"""torch optimizer class name → {``optimizer.state[p]`` key → optax state field}: the
+canonical ``opt_state`` leaf of each state tensor (``<param>/<field>``), the name the
+JAX adapter gives the equivalent optax state (``optax.adam`` → ``mu``/``nu``,
+``optax.sgd(momentum=...)`` → ``trace``, ...). Looked up along the optimizer's MRO;
+keys of other optimizers keep their torch name."""
+
+
+def opt_state_field(optimizer: torch.optim.Optimizer, key: str) -> str:
+    """Canonical ``opt_state`` leaf of ``optimizer.state[p][key]`` (see :data:`OPTAX_FIELDS`)."""
+    for cls in type(optimizer).__mro__:
+        table = OPTAX_FIELDS.get(cls.__name__)
+        if table is not None and cls.__module__.startswith("torch.optim"):
+            return table.get(key, key)
+    return key
+
+
 def _spec(e: ParamEntry, kind: Kind) -> TensorSpec:
     return TensorSpec(
         name=e.name,
@@ -100,8 +147,50 @@ def _spec(e: ParamEntry, kind: Kind) -> TensorSpec:
     )
 
 
+def _snapshot(e: ParamEntry, part: torch.Tensor | None, dtype: torch.dtype) -> np.ndarray:
+    """Host copy of ``part`` (``e``'s row block, source layout) in canonical layout;
+    None (no gradient / no optimizer state yet) → zeros of the canonical shape."""
+    if part is None:
+        return np.zeros(e.shape, dtype=numpy_dtype_name(dtype))
+    return host_copy(part if e.permutation is None else part.permute(e.permutation))
+
+
+class _OptStateLeaf:
+    """One recorded optimizer-state tensor: ``optimizer.state[entry param][key]``."""
+
+    __slots__ = ("dtype", "entry", "key", "name")
+
+    def __init__(self, entry: ParamEntry, key: str, name: str, dtype: torch.dtype) -> None:
+        self.entry, self.key, self.name, self.dtype = entry, key, name, dtype
+
+    def read(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+        """The entry's row block of the state tensor (source layout), None if absent.
+
+        ``state.get``: never creates an entry in the optimizer's ``defaultdict``.
+        """
+        st = optimizer.state.get(self.entry.tensor())
+        v = None if st is None else st.get(self.key)
+        return self.entry.part(v.detach()) if isinstance(v, torch.Tensor) else None
+
+
 class WatchHandle:
     """Hooks recording a torch model; use as a context manager or call :meth:`remove`.
+
+    Created by :func:`watch` (an alias of this class), whose arguments are:
+
+    Args:
+        model: the torch module (not a ``torch.compile`` wrapper: watch, then compile).
+        recorder: the :class:`traintape.Recorder`; its policy decides steps and kinds.
+        optimizer: its ``step()`` hooks mark step boundaries (``param`` θ_t and ``grad``
+            before, ``update`` θ_{t+1} − θ_t and ``opt_state`` after; buffers and the
+            probe are read at the end of the previous step). Without one, call
+            ``handle.step()`` after each update.
+        name_map: mapping/callable renaming canonical names (see
+            :mod:`traintape.core.naming`).
+        start_step: optimizer step of the first recorded row (resume).
+        activations: record outputs of parametrised modules (``<layer>/output``).
+        probe: a fixed input (tensor or tuple of positional args) whose activations are
+            stored in full on full-capture steps (eval mode, no grad, θ_t).
 
     Attributes:
         step_index: the optimizer step the next recorded data belongs to.
@@ -139,6 +228,13 @@ class WatchHandle:
         pol = recorder.policy
         self.param_entries = [e for e in self.layout.entries if pol.selects(e.name)]
         self.train_entries = [e for e in self.param_entries if e.trainable]
+        # θ_t of buffers (changed in place by the forward pass) is read at the step
+        # boundary; with an optimizer, parameters are read in its step pre-hook
+        if optimizer is None:
+            self._boundary_params, self._pre_step_params = self.param_entries, []
+        else:
+            self._boundary_params = [e for e in self.param_entries if e.is_buffer]
+            self._pre_step_params = [e for e in self.param_entries if not e.is_buffer]
         self.sites: list[ActivationSite] = (
             [s for s in self.layout.activations if pol.selects(s.name)] if activations else []
         )
@@ -146,20 +242,21 @@ class WatchHandle:
             framework="torch", framework_version=torch.__version__, adapter=ADAPTER
         )
         self._declare_params()
-        # per-step device state
-        self._pending: dict[Kind, tuple[list[str], torch.Tensor]] = {}
+        # per-step device state: raw stat blocks per kind (merged at the step's end)
+        self._pending: dict[Kind, list[tuple[list[str], torch.Tensor]]] = {}
         self._snaps: dict[Kind, dict[str, np.ndarray]] = {}
         self._theta: list[torch.Tensor] | None = None
         self._act_raw: dict[str, torch.Tensor] = {}
         self._act_stash: list[tuple[ActivationSite, torch.Tensor]] = []
+        self._act_shapes: dict[str, tuple[ActivationSite, nn.Module, torch.Tensor]] = {}
         self._act_on = False
         self._probing = False
         self._act_declared: list[str] | None = None
         self._act_warned: set[str] = set()
+        self._opt_leaves: list[_OptStateLeaf] | None = None
+        self._opt_warned: set[str] = set()
         self._install()
         self._boundary()
-        if optimizer is None:
-            self._begin()
 
     # ---------------------------------------------------------------- setup
     def _declare_params(self) -> None:
@@ -231,16 +328,22 @@ class WatchHandle:
         return hook
 
     def _on_pre_step(self, opt: Any, args: Any, kwargs: Any) -> None:
-        self._begin()
+        """Before the update: parameters are θ_t, ``p.grad`` is step t's gradient."""
+        self._params(self._pre_step_params)
+        self._copy_theta()
         self._grads()
 
     def _on_post_step(self, opt: Any, args: Any, kwargs: Any) -> None:
+        """After the update (θ_{t+1}): updates, optimizer state, record; next boundary."""
+        self._opt_state()
         self._end()
 
     def step(self) -> None:
         """Mark the end of optimizer step ``step_index`` (only when no optimizer is given).
 
-        Call after the parameter update and before the gradients are zeroed.
+        Call after the parameter update and before the gradients are zeroed. Records step
+        t (``grad`` = current ``p.grad``, ``update`` = θ now − θ at the previous boundary,
+        ``param`` θ_t as read there) and takes θ_{t+1} for the next step.
         """
         if self.optimizer is not None:
             raise RuntimeError(
@@ -251,35 +354,47 @@ class WatchHandle:
             raise RuntimeError("traintape.torch: this watch handle was removed")
         self._grads()
         self._end()
-        self._begin()
 
     # ---------------------------------------------------------------- step logic
-    def _boundary(self) -> None:
-        t = self.step_index
-        self._act_on = bool(self.sites) and self.rec.wants(t, Kind.ACTIVATION)
-        self._act_shapes: dict[str, tuple[ActivationSite, nn.Module, torch.Tensor]] = {}
-        self.micro_batches = 0
+    def _add(self, kind: Kind, names: list[str], raw: torch.Tensor) -> None:
+        self._pending.setdefault(kind, []).append((names, raw))
 
-    def _begin(self) -> None:
-        """θ_t is live: param stats/snapshots, θ_t copy for updates, activation probe."""
+    def _boundary(self) -> None:
+        """Start step ``step_index`` before its first forward pass: reset the per-step
+        state and read what batch t's forward could change (buffers, probe), plus every
+        ``param`` and the θ_t copy when there is no optimizer."""
         t, rec = self.step_index, self.rec
-        if self.param_entries and rec.wants(t, Kind.PARAM):
-            tensors = [e.part(e.tensor()) for e in self.param_entries]
-            self._pending[Kind.PARAM] = ([e.name for e in self.param_entries], S.raw_stats(tensors))
-            if rec.policy.snapshots(t, Kind.PARAM):
-                self._snaps[Kind.PARAM] = {
-                    e.name: host_copy(e.canonical(e.tensor())) for e in self.param_entries
-                }
-        if self.train_entries and rec.wants(t, Kind.UPDATE):
-            live = self._unique_train_tensors()
-            with torch.no_grad():
-                if self._theta is None or len(self._theta) != len(live):
-                    self._theta = [torch.empty_like(p) for p in live]
-                torch._foreach_copy_(self._theta, [p.detach() for p in live])
-        else:
-            self._theta = None
+        self._act_on = bool(self.sites) and rec.wants(t, Kind.ACTIVATION)
+        self._act_shapes = {}
+        self.micro_batches = 0
+        self._params(self._boundary_params)
+        if self.optimizer is None:
+            self._copy_theta()
         if self.probe is not None and self._act_on and rec.policy.snapshots(t, Kind.ACTIVATION):
             self._run_probe()
+
+    def _params(self, entries: list[ParamEntry]) -> None:
+        """``param`` stats (and snapshots on full steps) of ``entries``, read now."""
+        t, rec = self.step_index, self.rec
+        if not entries or not rec.wants(t, Kind.PARAM):
+            return
+        tensors = [e.part(e.tensor()) for e in entries]
+        self._add(Kind.PARAM, [e.name for e in entries], S.raw_stats(tensors))
+        if rec.policy.snapshots(t, Kind.PARAM):
+            self._snaps.setdefault(Kind.PARAM, {}).update(
+                {e.name: host_copy(e.canonical(e.tensor())) for e in entries}
+            )
+
+    def _copy_theta(self) -> None:
+        """Copy θ_t of the trainable parameters (for ``update``), or drop the copy."""
+        if not self.train_entries or not self.rec.wants(self.step_index, Kind.UPDATE):
+            self._theta = None
+            return
+        live = self._unique_train_tensors()
+        with torch.no_grad():
+            if self._theta is None or len(self._theta) != len(live):
+                self._theta = [torch.empty_like(p) for p in live]
+            torch._foreach_copy_(self._theta, [p.detach() for p in live])
 
     def _unique_train_tensors(self) -> list[torch.Tensor]:
         seen: dict[int, torch.Tensor] = {}
@@ -312,17 +427,12 @@ class WatchHandle:
         for e in self.train_entries:
             g = e.tensor().grad
             grads.append(None if g is None else e.part(g))
-        self._pending[Kind.GRAD] = ([e.name for e in self.train_entries], S.raw_stats(grads))
+        self._add(Kind.GRAD, [e.name for e in self.train_entries], S.raw_stats(grads))
         if self.rec.policy.snapshots(t, Kind.GRAD):
-            snaps = {}
-            for e, g in zip(self.train_entries, grads, strict=True):
-                if g is None:
-                    snaps[e.name] = np.zeros(e.shape, dtype=numpy_dtype_name(e.tensor().dtype))
-                else:
-                    snaps[e.name] = host_copy(
-                        g if e.permutation is None else g.permute(e.permutation)
-                    )
-            self._snaps[Kind.GRAD] = snaps
+            self._snaps[Kind.GRAD] = {
+                e.name: _snapshot(e, g, e.tensor().dtype)
+                for e, g in zip(self.train_entries, grads, strict=True)
+            }
 
     def _updates(self) -> None:
         t = self.step_index
@@ -333,12 +443,101 @@ class WatchHandle:
             diff = torch._foreach_sub([p.detach() for p in live], self._theta)
         by_id = {id(p): d for p, d in zip(live, diff, strict=True)}
         ups = [e.part(by_id[id(e.tensor())]) for e in self.train_entries]
-        self._pending[Kind.UPDATE] = ([e.name for e in self.train_entries], S.raw_stats(ups))
+        self._add(Kind.UPDATE, [e.name for e in self.train_entries], S.raw_stats(ups))
         if self.rec.policy.snapshots(t, Kind.UPDATE):
             self._snaps[Kind.UPDATE] = {
-                e.name: host_copy(u if e.permutation is None else u.permute(e.permutation))
+                e.name: _snapshot(e, u, u.dtype)
                 for e, u in zip(self.train_entries, ups, strict=True)
             }
+
+    def _opt_state(self) -> None:
+        """``opt_state`` after step t: parameter-shaped ``optimizer.state`` tensors."""
+        t, opt = self.step_index, self.optimizer
+        if opt is None or not self.train_entries or not self.rec.wants(t, Kind.OPT_STATE):
+            return
+        if self._opt_leaves is None and not self._declare_opt_state():
+            return
+        leaves = self._opt_leaves or []
+        if not leaves:
+            return
+        self._warn_new_opt_state()
+        parts = [leaf.read(opt) for leaf in leaves]
+        self._add(Kind.OPT_STATE, [leaf.name for leaf in leaves], S.raw_stats(parts))
+        if self.rec.policy.snapshots(t, Kind.OPT_STATE):
+            self._snaps[Kind.OPT_STATE] = {
+                leaf.name: _snapshot(leaf.entry, v, leaf.dtype)
+                for leaf, v in zip(leaves, parts, strict=True)
+            }
+
+    def _find_opt_state(self) -> list[tuple[ParamEntry, str, torch.Tensor]]:
+        """(entry, key, state tensor) of every parameter-shaped optimizer-state tensor.
+
+        A key is taken when its tensor has the parameter's shape; ``step`` and, for a
+        0-d parameter, keys unknown to :data:`OPTAX_FIELDS` (scalar counters such as
+        NAdam's ``mu_product``) are skipped.
+        """
+        opt = self.optimizer
+        assert opt is not None
+        out = []
+        for e in self.train_entries:
+            p = e.tensor()
+            st = opt.state.get(p)
+            if not st:
+                continue
+            for key, v in st.items():
+                if key == "step" or not isinstance(v, torch.Tensor) or v.shape != p.shape:
+                    continue
+                if p.ndim == 0 and opt_state_field(opt, key) == key:
+                    continue
+                out.append((e, key, v))
+        return out
+
+    def _declare_opt_state(self) -> bool:
+        """Fix and declare the ``opt_state`` tensors (first captured step with any state).
+
+        Returns False while the optimizer holds no parameter-shaped state yet.
+        """
+        found = self._find_opt_state()
+        if not found:
+            return False
+        opt = self.optimizer
+        assert opt is not None
+        leaves: list[_OptStateLeaf] = []
+        specs: list[TensorSpec] = []
+        for e, key, v in found:
+            field = opt_state_field(opt, key)
+            source = f"{e.source_name}:{key}"
+            name = canonical_name([e.name, field], None, source)
+            leaves.append(_OptStateLeaf(e, key, name, v.dtype))
+            specs.append(
+                TensorSpec(
+                    name=name,
+                    kind=Kind.OPT_STATE,
+                    role=field,
+                    layer=e.name,  # as the JAX adapter: the parameter is the "layer"
+                    layer_kind=None,
+                    dtype=numpy_dtype_name(v.dtype),
+                    shape=list(e.shape),
+                    source_name=source,
+                    source_shape=list(e.source_shape),
+                    permutation=list(e.permutation) if e.permutation is not None else None,
+                )
+            )
+        self.rec.declare(specs)
+        self._opt_leaves = leaves
+        return True
+
+    def _warn_new_opt_state(self) -> None:
+        known = {(id(leaf.entry), leaf.key) for leaf in self._opt_leaves or []}
+        for e, key, _ in self._find_opt_state():
+            tag = f"{e.name}:{key}"
+            if (id(e), key) not in known and tag not in self._opt_warned:
+                self._opt_warned.add(tag)
+                warnings.warn(
+                    f"traintape.torch: optimizer state {key!r} of {e.name!r} first appeared "
+                    f"after the opt_state set was declared; it is not recorded",
+                    stacklevel=3,
+                )
 
     def _reduce_activations(self) -> None:
         stash, self._act_stash = self._act_stash, []
@@ -348,8 +547,32 @@ class WatchHandle:
             prev = self._act_raw.get(site.name)
             self._act_raw[site.name] = row if prev is None else S.merge_raw(prev, row)
 
+    def _declare_activations(self) -> None:
+        """Declare the activations seen this step, in the order their forward hooks
+        first fired (the recorder keeps it as ``forward_order``)."""
+        specs = []
+        for name, (site, mod, out) in self._act_shapes.items():
+            perm = activation_permutation(mod, out)
+            src = [None, *out.shape[1:]]
+            shape = src if perm is None else [src[i] for i in perm]
+            specs.append(
+                TensorSpec(
+                    name=name,
+                    kind=Kind.ACTIVATION,
+                    role="output",
+                    layer=site.layer,
+                    layer_kind=site.layer_kind,
+                    dtype=numpy_dtype_name(out.dtype),
+                    shape=shape,
+                    source_name=f"{site.source_name}:output",
+                    source_shape=src,
+                    permutation=list(perm) if perm is not None else None,
+                )
+            )
+        self.rec.declare(specs)
+        self._act_declared = list(self._act_shapes)
+
     def _activations(self) -> None:
-        t = self.step_index
         if not self._act_on:
             return
         if self._act_stash:
@@ -357,28 +580,8 @@ class WatchHandle:
         if not self._act_raw:
             return
         if self._act_declared is None:
-            specs = []
-            for name, (site, mod, out) in sorted(self._act_shapes.items()):
-                perm = activation_permutation(mod, out)
-                src = [None, *out.shape[1:]]
-                shape = src if perm is None else [src[i] for i in perm]
-                specs.append(
-                    TensorSpec(
-                        name=name,
-                        kind=Kind.ACTIVATION,
-                        role="output",
-                        layer=site.layer,
-                        layer_kind=site.layer_kind,
-                        dtype=numpy_dtype_name(out.dtype),
-                        shape=shape,
-                        source_name=f"{site.source_name}:output",
-                        source_shape=src,
-                        permutation=list(perm) if perm is not None else None,
-                    )
-                )
-            self.rec.declare(specs)
-            self._act_declared = sorted(self._act_shapes)
-        names = self._act_declared
+            self._declare_activations()
+        names = self._act_declared or []
         for extra in set(self._act_raw) - set(names):
             if extra not in self._act_warned:
                 self._act_warned.add(extra)
@@ -390,72 +593,41 @@ class WatchHandle:
         device = next(iter(self._act_raw.values())).device
         empty = S.empty_raw(1, device)
         rows = [self._act_raw.get(n, empty) for n in names]
-        self._pending[Kind.ACTIVATION] = (names, torch.cat(rows))
+        self._add(Kind.ACTIVATION, names, torch.cat(rows))
         snaps = self._snaps.get(Kind.ACTIVATION)
         if snaps is not None and set(snaps) != set(names):
             self._snaps.pop(Kind.ACTIVATION)
-        del t
 
     def _end(self) -> None:
-        """Finish step ``step_index``: updates, activations, one transfer, record."""
+        """Finish step ``step_index``: updates, activations, one transfer, record; then
+        the boundary of the next step."""
         self._updates()
         self._activations()
         pending, self._pending = self._pending, {}
         snaps, self._snaps = self._snaps, {}
         self._act_raw = {}
         t = self.step_index
-        if pending:
-            kinds = list(pending)
-            mats = [pending[k][1] for k in kinds]
-            devices = {m.device for m in mats}
-            if len(devices) > 1:
+        blocks = [(k, names, m) for k, parts in pending.items() for names, m in parts]
+        if blocks:
+            mats = [m for _, _, m in blocks]
+            if len({m.device for m in mats}) > 1:
                 mats = [m.cpu() for m in mats]
-            host = S.to_host(torch.cat(mats)) if len(mats) > 1 else S.to_host(mats[0])
-            vecs = S.finalize(host)
+            vecs = S.finalize(S.to_host(torch.cat(mats) if len(mats) > 1 else mats[0]))
+            rows: dict[Kind, tuple[list[str], list[np.ndarray]]] = {}
             start = 0
-            for k, m in zip(kinds, mats, strict=True):
-                names = pending[k][0]
-                self.rec.record_stats(
-                    t, k, vecs[start : start + m.shape[0]], names=names, snapshots=snaps.get(k)
-                )
+            for (k, names, _), m in zip(blocks, mats, strict=True):
+                kn, kv = rows.setdefault(k, ([], []))
+                kn.extend(names)
+                kv.append(vecs[start : start + m.shape[0]])
                 start += m.shape[0]
+            for k, (kn, kv) in rows.items():
+                self.rec.record_stats(t, k, np.concatenate(kv), names=kn, snapshots=snaps.get(k))
         self.step_index = t + 1
         self._boundary()
 
 
-def watch(
-    model: nn.Module,
-    recorder: Recorder,
-    optimizer: torch.optim.Optimizer | None = None,
-    *,
-    name_map: NameMap = None,
-    start_step: int = 0,
-    activations: bool = True,
-    probe: torch.Tensor | Sequence[Any] | None = None,
-) -> WatchHandle:
-    """Record ``model``'s params, grads, updates and activations into ``recorder``.
-
-    Args:
-        model: the torch module (not a ``torch.compile`` wrapper: watch, then compile).
-        recorder: the :class:`traintape.Recorder`; its policy decides steps and kinds.
-        optimizer: hooks on its ``step()`` mark step boundaries (θ_t before, θ_{t+1}
-            after). Without one, call ``handle.step()`` after each update.
-        name_map: mapping/callable renaming canonical names (see
-            :mod:`traintape.core.naming`).
-        start_step: optimizer step of the first recorded row (resume).
-        activations: record outputs of parametrised modules (``<layer>/output``).
-        probe: a fixed input (tensor or tuple of positional args) whose activations are
-            stored in full on full-capture steps (eval mode, no grad).
-
-    Returns:
-        a :class:`WatchHandle` (context manager); leaving it removes every hook.
-    """
-    return WatchHandle(
-        model,
-        recorder,
-        optimizer,
-        name_map=name_map,
-        start_step=start_step,
-        activations=activations,
-        probe=probe,
-    )
+watch = WatchHandle
+"""``watch(model, recorder, optimizer=None, *, name_map=None, start_step=0,
+activations=True, probe=None) -> WatchHandle``: record ``model``'s params, grads,
+updates, activations (and optimizer state) into ``recorder``; leaving the returned
+handle (a context manager) removes every hook. Arguments: see :class:`WatchHandle`."""
