@@ -54,16 +54,6 @@ def test_ls(stores, tmp_path):  # noqa: F811
     assert cli.invoke(app, ["ls", str(tmp_path / "none")]).exit_code == 2
 
 
-def test_errors_on_missing_or_invalid_store(tmp_path):
-    for cmd in ("health", "anomalies", "report", "monitor", "rm"):
-        r = cli.invoke(app, [cmd, str(tmp_path / "missing")])
-        assert r.exit_code == 2, (cmd, r.output)
-    (tmp_path / "junk").mkdir()
-    (tmp_path / "junk" / "zarr.json").write_text("{}")
-    r = cli.invoke(app, ["health", str(tmp_path / "junk")])
-    assert r.exit_code == 2
-
-
 def test_export_formats(stores, tmp_path):  # noqa: F811
     run = traintape.open_run(stores["healthy"])
     r = cli.invoke(app, ["export", stores["healthy"], "-o", str(tmp_path / "pq"), "-f", "parquet"])

@@ -37,7 +37,8 @@ def test_validate_ok_and_problem_lines(tmp_path):
 
 def test_validate_missing_store(tmp_path):
     res = runner.invoke(app, ["validate", str(tmp_path / "nope")])
-    assert res.exit_code == 1 and "no such directory" in res.stdout
+    assert res.exit_code == 1 and "no such file or directory" in res.stdout
+    assert str(tmp_path / "nope") in res.stdout
 
 
 def test_show_summarises(tmp_path):

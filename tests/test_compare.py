@@ -106,3 +106,23 @@ def test_cli_compare_exit_codes_and_json(runs):
     assert data["first_divergence"]["tensor"] == "layers/1/kernel"
     missing = cli.invoke(app, ["compare", runs["a"], runs["a"] + "-nope"])
     assert missing.exit_code == 2
+
+
+def test_forward_order_is_a_hint_not_a_difference(tmp_path):
+    """Linen/torch/Keras stores carry user['forward_order'], NNX ones may not: equal data
+    with and without it compares identical; two different orders give a note."""
+
+    def rec(url: str, user: dict) -> str:
+        with traintape.Recorder(url, user=user) as r:
+            for t in range(3):
+                r.record(t, "param", {"fc/kernel": np.full((2, 2), float(t), np.float32)})
+        return url
+
+    a = rec(str(tmp_path / "a"), {"forward_order": ["fc"]})
+    b = rec(str(tmp_path / "b"), {})
+    c = rec(str(tmp_path / "c"), {"forward_order": ["other", "fc"]})
+    assert compare(a, b).identical
+    rep = compare(a, c)
+    assert rep.identical and any("forward order differs" in n for n in rep.notes)
+    d = rec(str(tmp_path / "d"), {"forward_order": ["fc"], "lr": 0.1})
+    assert not compare(a, d).identical  # the rest of user still counts

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.util
+import inspect
 import json
 import os
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 
 app = typer.Typer(
     help="traintape: record, validate, compare and analyse neural-network training runs.",
@@ -21,15 +26,121 @@ console = Console()
 err = Console(stderr=True)
 
 
+ProgressFn = Callable[[str, int, int], None]
+
+
+def _fail(message: str, hint: str | None = None, code: int = 2) -> NoReturn:
+    """Print ``error: message`` (and a hint) on stderr and exit with ``code``."""
+    from rich.markup import escape
+
+    err.print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
+    if hint:
+        err.print(f"  [dim]{escape(hint)}[/dim]", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _store_problem(run: str) -> tuple[str, str | None] | None:
+    """Why the local path ``run`` cannot be a run store (message, hint), or None."""
+    from traintape.core.kvstore import local_path, normalize_url
+
+    path = local_path(normalize_url(run))
+    if path is None:
+        return None
+    if not os.path.exists(path):
+        parent = os.path.dirname(path.rstrip(os.sep)) or "."
+        hint = (
+            f"`traintape ls {parent}` lists the runs there"
+            if os.path.isdir(parent)
+            else "check the path"
+        )
+        return f"no run at {path}: no such file or directory", hint
+    if not os.path.isdir(path):
+        return f"{path} is a file, not a run directory", "a run is the directory a Recorder wrote"
+    if not os.path.exists(os.path.join(path, "zarr.json")):
+        inner = _find_stores(path, depth=2)
+        if inner:
+            shown = ", ".join(os.path.relpath(x, path) for x in inner[:5])
+            more = f" and {len(inner) - 5} more" if len(inner) > 5 else ""
+            return (
+                f"{path} is not a traintape run (no zarr.json), but it contains runs: "
+                f"{shown}{more}",
+                f"pass one of them, or `traintape ls {path}`",
+            )
+        return f"{path} is not a traintape run (no zarr.json)", None
+    return None
+
+
 def _open(run: str):
+    """Open ``run`` or exit 2 with a message that names the path and what is wrong."""
     from traintape.core import NotAStoreError, open_run
     from traintape.schema import SchemaVersionError
 
+    problem = _store_problem(run)
+    if problem is not None:
+        _fail(*problem)
     try:
         return open_run(run)
-    except (NotAStoreError, SchemaVersionError) as e:
-        err.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(2) from None
+    except SchemaVersionError as e:
+        _fail(f"{run}: {e}", "upgrade traintape to read this store")
+    except NotAStoreError as e:
+        _fail(str(e), "`traintape validate RUN` explains what is wrong with a store")
+    except Exception as e:  # unreadable manifest, kvstore errors
+        _fail(f"cannot open {run}: {type(e).__name__}: {e}")
+
+
+@contextlib.contextmanager
+def _reading(*runs: str) -> Iterator[None]:
+    """Turn an error while reading stores into a message (TRAINTAPE_DEBUG=1 re-raises)."""
+    try:
+        yield
+    except (typer.Exit, typer.Abort, KeyboardInterrupt):
+        raise
+    except Exception as e:
+        if os.environ.get("TRAINTAPE_DEBUG"):
+            raise
+        first = str(e).splitlines()[0] if str(e) else ""
+        _fail(
+            f"cannot read {' or '.join(runs)}: {type(e).__name__}: {first}",
+            " / ".join(f"`traintape validate {r}`" for r in runs)
+            + " checks the store (TRAINTAPE_DEBUG=1 shows a traceback)",
+        )
+
+
+@contextlib.contextmanager
+def _progress(label: str) -> Iterator[ProgressFn]:
+    """A rich progress bar on stderr, fed by ``callback(stage, done, total)``.
+
+    Shown only when stderr is a terminal (never mixed into piped or --json stdout), and
+    removed when done.
+    """
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=err,
+        transient=True,
+        disable=not err.is_terminal,
+    ) as bar:
+        task = bar.add_task(label, total=None)
+
+        def callback(stage: str, done: int, total: int) -> None:
+            desc = f"{label}: {stage}" if stage else label
+            bar.update(task, description=desc, completed=done, total=total or None)
+
+        yield callback
 
 
 @app.command()
@@ -74,9 +185,16 @@ def validate(
 
     Exit code 0 when valid, 1 with one line per problem otherwise.
     """
+    from traintape.core import ValidationReport
     from traintape.core import validate as run_validate
+    from traintape.core.kvstore import normalize_url
 
-    report = run_validate(run)
+    problem = _store_problem(run)
+    if problem is not None:
+        report = ValidationReport(normalize_url(run), problems=[problem[0]])
+    else:
+        with _progress("validating") as cb:
+            report = run_validate(run, progress=lambda done, total: cb("chunks", done, total))
     if as_json:
         print(
             json.dumps(
@@ -111,6 +229,11 @@ def validate(
 def show(run: str = typer.Argument(..., help="run directory or URL")) -> None:
     """Summarise a run: producer, policy, steps, tensors per kind, metrics, events."""
     r = _open(run)
+    with _reading(run):
+        _show(r)
+
+
+def _show(r: Any) -> None:
     m = r.manifest
     p = m.producer
     console.print(f"[bold]{r.url}[/bold]  run {m.run_id}  status [cyan]{m.status}[/cyan]")
@@ -121,7 +244,7 @@ def show(run: str = typer.Argument(..., help="run directory or URL")) -> None:
     steps = r.steps
     span = f"{int(steps[0])}..{int(steps[-1])}" if len(steps) else "none"
     console.print(f"{r.rows} rows (steps {span}) · policy {m.policy.model_dump(mode='json')}")
-    t = Table("kind", "tensors", "snapshots", "example")
+    t = Table("kind", "tensors", "snapshots", Column("example", overflow="fold"))
     for kind in r.kinds():
         names = r.tensor_names(kind)
         t.add_row(kind.value, str(len(names)), str(m.commit.snapshots.get(kind, 0)), names[0])
@@ -152,6 +275,13 @@ def show(run: str = typer.Argument(..., help="run directory or URL")) -> None:
 
 
 # ---------------------------------------------------------------------------- analysis
+
+
+def _name_column(header: str, names: list[str], cap: int = 60) -> Column:
+    """A table column for tensor/layer names: as wide as the longest (up to ``cap``) so
+    that the numbers, not the names, give way in a narrow terminal; longer names fold."""
+    width = max([len(header), *(len(n) for n in names)])
+    return Column(header, min_width=min(width, cap), overflow="fold")
 
 
 def _json_out(model) -> None:
@@ -196,6 +326,26 @@ def _find_stores(root: str, depth: int = 3) -> list[str]:
     return out
 
 
+def _ls_row(path: str, open_run: Callable[[str], Any]) -> dict[str, Any]:
+    """One row of ``ls``: the run's summary, or its path and error if it cannot be read."""
+    try:
+        r = open_run(path)
+        st = r.steps
+    except Exception as e:  # an invalid store is listed, not fatal
+        return {"path": path, "error": str(e)}
+    return {
+        "path": path,
+        "run_id": r.manifest.run_id,
+        "rows": r.rows,
+        "first_step": int(st[0]) if len(st) else None,
+        "last_step": int(st[-1]) if len(st) else None,
+        "framework": r.manifest.producer.framework or "numpy",
+        "size_bytes": _dir_size(path),
+        "status": r.manifest.status,
+        "updated_at": r.manifest.updated_at.isoformat(),
+    }
+
+
 @app.command("ls")
 def ls_runs(
     directory: str = typer.Argument(".", help="directory to search (3 levels deep)"),
@@ -204,37 +354,25 @@ def ls_runs(
     """List the runs under DIR: steps, framework, size, status."""
     from traintape.core import open_run
 
+    if not os.path.exists(directory):
+        _fail(f"no such directory: {directory}")
     if not os.path.isdir(directory):
-        err.print(f"[red]error:[/red] {directory} is not a directory")
-        raise typer.Exit(2)
+        _fail(f"{directory} is a file, not a directory", "`traintape show RUN` shows one run")
     rows = []
-    for path in _find_stores(directory):
-        try:
-            r = open_run(path)
-        except Exception as e:  # an invalid store is listed, not fatal
-            rows.append({"path": path, "error": str(e)})
-            continue
-        st = r.steps
-        rows.append(
-            {
-                "path": path,
-                "run_id": r.manifest.run_id,
-                "rows": r.rows,
-                "first_step": int(st[0]) if len(st) else None,
-                "last_step": int(st[-1]) if len(st) else None,
-                "framework": r.manifest.producer.framework or "numpy",
-                "size_bytes": _dir_size(path),
-                "status": r.manifest.status,
-                "updated_at": r.manifest.updated_at.isoformat(),
-            }
-        )
+    found = _find_stores(directory)
+    with _progress("listing runs") as cb:
+        for i, path in enumerate(found):
+            cb(os.path.relpath(path, directory), i, len(found))
+            rows.append(_ls_row(path, open_run))
+        cb("", len(found), len(found))
+
     if as_json:
         print(json.dumps(rows, indent=1))
         return
     if not rows:
         console.print(f"no traintape runs under {directory}")
         return
-    t = Table("run", "steps", "framework", "size", "status", "updated")
+    t = Table(Column("run", overflow="fold"), "steps", "framework", "size", "status", "updated")
     for x in rows:
         if "error" in x:
             t.add_row(
@@ -267,7 +405,8 @@ def health(
     from traintape.analysis import health as run_health
 
     r = _open(run)
-    rep = run_health(r)
+    with _reading(run), _progress("health") as cb:
+        rep = run_health(r, progress=cb)
     if as_json:
         _json_out(rep)
         raise typer.Exit(1 if rep.status == "critical" else 0)
@@ -276,16 +415,24 @@ def health(
         f"[bold]{r.url}[/bold]: {rep.steps} steps, {len(rep.layers)} layers — "
         f"[{color[rep.status]}]{rep.status}[/{color[rep.status]}], score {rep.score:.0f}/100"
     )
-    t = Table(
-        "layer", "score", "status", "grad norm", "grad/param", "update/param", "zero act", "issues"
-    )
     f = lambda v: "–" if v is None else f"{v:.3g}"  # noqa: E731
+    # (header, value of a layer); a column no layer has a value for is left out
+    cols: list[tuple[str, Callable[[Any], str]]] = [
+        ("score", lambda lh: f"{lh.score:.0f}"),
+        ("status", lambda lh: f"[{color[lh.status]}]{lh.status}[/{color[lh.status]}]"),
+        ("grad norm", lambda lh: f(lh.grad_norm)),
+        ("grad/param", lambda lh: f(lh.rel_grad)),
+        ("update/param", lambda lh: f(lh.update_ratio)),
+        ("zero act", lambda lh: f(lh.act_zero_frac)),
+    ]
+    cols = [(h, v) for h, v in cols if any(v(lh) != "–" for lh in rep.layers)]
+    t = Table(
+        _name_column("layer", [lh.layer for lh in rep.layers], cap=40),
+        *(h for h, _ in cols),
+        Column("issues", overflow="fold"),
+    )
     for lh in rep.layers:
-        c = color[lh.status]
-        t.add_row(
-            lh.layer, f"{lh.score:.0f}", f"[{c}]{lh.status}[/{c}]", f(lh.grad_norm), f(lh.rel_grad),
-            f(lh.update_ratio), f(lh.act_zero_frac), ", ".join(i.type.value for i in lh.issues),
-        )  # fmt: skip
+        t.add_row(lh.layer, *(v(lh) for _, v in cols), ", ".join(i.type.value for i in lh.issues))
     console.print(t)
     for i in rep.issues():
         c = color[i.severity]
@@ -304,7 +451,8 @@ def anomalies_cmd(
     from traintape.analysis import anomalies as run_anomalies
 
     r = _open(run)
-    rep = run_anomalies(r)
+    with _reading(run), _progress("anomalies") as cb:
+        rep = run_anomalies(r, progress=cb)
     if as_json:
         _json_out(rep)
         return
@@ -317,7 +465,11 @@ def anomalies_cmd(
     if not rep.anomalies:
         console.print(f"[green]no anomalies[/green] in {r.url}")
         return
-    t = Table("step", "type", "severity", "kind", "tensor / layer", "message")
+    t = Table(
+        "step", "type", "severity", "kind",
+        _name_column("tensor / layer", [a.tensor or a.layer or "" for a in rep.anomalies[:limit]]),
+        Column("message", overflow="fold"),
+    )  # fmt: skip
     sev = {"error": "red", "warning": "yellow", "info": "cyan"}
     for a in rep.anomalies[:limit]:
         c = sev[a.severity.value]
@@ -339,8 +491,11 @@ def report(
     from traintape.analysis import write_report
 
     r = _open(run)
-    with console.status("rendering report..."):
-        write_report(r, out)
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        _fail(f"cannot write {out}: directory {parent} does not exist")
+    with _reading(run), _progress("report") as cb:
+        write_report(r, out, progress=cb)
     console.print(f"wrote {out} ({_human(os.path.getsize(out))})")
 
 
@@ -415,11 +570,13 @@ def export_cmd(
     from traintape.analysis import export
 
     if fmt not in ("parquet", "csv", "npz"):
-        err.print(f"[red]error:[/red] unknown format {fmt!r}: use parquet, csv or npz")
-        raise typer.Exit(2)
+        _fail(f"unknown format {fmt!r}: use parquet, csv or npz")
     r = _open(run)
-    with console.status(f"exporting {fmt}..."):
-        paths = export(r, out, fmt, snapshots=snapshots)  # type: ignore[arg-type]
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        _fail(f"cannot write {out}: directory {parent} does not exist")
+    with _reading(run), _progress(f"export {fmt}") as cb:
+        paths = export(r, out, fmt, snapshots=snapshots, progress=cb)  # type: ignore[arg-type]
     for p in paths:
         console.print(f"wrote {p}")
 
@@ -464,8 +621,8 @@ def compare(
     from traintape.analysis import compare as run_compare
 
     ra, rb = _open(run_a), _open(run_b)
-    with console.status("comparing..."):
-        rep = run_compare(ra, rb, atol=atol, rtol=rtol, snapshots=not no_snapshots)
+    with _reading(run_a, run_b), _progress("compare") as cb:
+        rep = run_compare(ra, rb, atol=atol, rtol=rtol, snapshots=not no_snapshots, progress=cb)
     if as_json:
         _json_out(rep)
         raise typer.Exit(0 if rep.identical else 1)
@@ -488,8 +645,9 @@ def compare(
     bad.sort(key=lambda t: (t.first_step_out or 0, order.get(t.kind, 9), t.tensor))
     rows = bad[:show] if bad else sorted(rep.tensors, key=lambda t: -(t.max_abs or 0))[:show]
     t = Table(
-        "kind", "tensor", "steps", "snaps", "max abs", "max rel", "min cos", "first step out", "tol"
-    )
+        "kind", _name_column("tensor", [d.tensor for d in rows]), "steps", "snaps", "max abs", "max rel",
+        "min cos", "first step out", "tol",
+    )  # fmt: skip
     f = lambda v: "–" if v is None else f"{v:.3g}"  # noqa: E731
     for d in rows:
         t.add_row(
@@ -503,6 +661,163 @@ def compare(
     if len(bad) > show:
         console.print(f"... {len(bad) - show} more out of tolerance (use --show or --json)")
     raise typer.Exit(0 if rep.identical else 1)
+
+
+# ----------------------------------------------------------------- sparse-update quality
+
+
+def _load_object(spec: str, what: str) -> Any:
+    """``MODULE:ATTR`` (a dotted module importable from the current directory, or a path
+    to a ``.py`` file) → the object; ATTR may be dotted. Exits 2 with a message if not."""
+    mod_name, sep, attr = spec.rpartition(":")
+    if not sep or not mod_name or not attr:
+        _fail(f"{what} {spec!r}: expected MODULE:ATTR, e.g. mymodel:forward or path/to/m.py:model")
+    try:
+        if mod_name.endswith(".py") or os.sep in mod_name:
+            path = os.path.abspath(mod_name)
+            if not os.path.isfile(path):
+                _fail(f"{what} {spec!r}: no such file {path}")
+            name = "_traintape_user_" + Path(path).stem
+            loader_spec = importlib.util.spec_from_file_location(name, path)
+            assert loader_spec is not None and loader_spec.loader is not None
+            module = importlib.util.module_from_spec(loader_spec)
+            sys.modules[name] = module
+            sys.path.insert(0, os.path.dirname(path))
+            try:
+                loader_spec.loader.exec_module(module)
+            finally:
+                sys.path.remove(os.path.dirname(path))
+        else:
+            if os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(mod_name)
+    except typer.Exit:
+        raise
+    except Exception as e:
+        _fail(f"{what} {spec!r}: cannot import {mod_name}: {type(e).__name__}: {e}")
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            _fail(f"{what} {spec!r}: {mod_name} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def _load_inputs(spec: str) -> Any:
+    """``--inputs``: a ``.npy``/``.npz`` file (several npz arrays → a tuple, in file order)
+    or ``MODULE:ATTR`` (a value, or a callable taking no arguments that returns it)."""
+    import numpy as np
+
+    if spec.endswith((".npy", ".npz")) and ":" not in os.path.basename(spec):
+        if not os.path.isfile(spec):
+            _fail(f"--inputs {spec!r}: no such file")
+        data = np.load(spec)
+        if spec.endswith(".npy"):
+            return data
+        arrays = [data[k] for k in data.files]
+        return arrays[0] if len(arrays) == 1 else tuple(arrays)
+    obj = _load_object(spec, "--inputs")
+    return obj() if callable(obj) else obj
+
+
+@app.command("sparse-update")
+def sparse_update(
+    run: str = typer.Argument(..., help="run directory or URL (with param snapshots)"),
+    forward: str = typer.Option(
+        ...,
+        "--forward",
+        "-m",
+        "--model",
+        help="MODULE:ATTR of forward(params, inputs) on {canonical name: array}, "
+        "or of a torch.nn.Module (instance, or class built with no arguments)",
+    ),
+    inputs: str = typer.Option(
+        ...,
+        "--inputs",
+        "-i",
+        help="probe batch: MODULE:ATTR (value or no-argument callable), .npy or .npz file",
+    ),
+    step_old: int | None = typer.Option(None, "--from", help="θ_old snapshot step [first]"),
+    step_new: int | None = typer.Option(None, "--to", help="θ_new snapshot step [last]"),
+    threshold: list[float] | None = typer.Option(
+        None, "--threshold", "-t", help="|Δ| threshold, repeatable [1e-8, 1e-6, 1e-4]"
+    ),
+    seed: int = typer.Option(0, help="seed of the random masks"),
+    as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+) -> None:
+    """Would a sparse update have done the same? Outputs of θ_old + Δ vs θ_old + masked Δ.
+
+    Δ = θ_new − θ_old from two param snapshots. For each threshold the update is masked to
+    the entries with |Δ| > threshold ("magnitude") and, as a control, to a random set of
+    the same size per tensor ("random"); the outputs on the probe batch are compared with
+    those of the full update: KL of the softmax over the last axis, cosine, MSE, top-1
+    agreement, and the fraction of Δ kept.
+    """
+    from traintape.analysis import sparse_update_from_run
+    from traintape.analysis.change import DEFAULT_THRESHOLDS
+    from traintape.analysis.sparse import is_torch_module, snapshot_pair_steps
+
+    r = _open(run)
+    with _reading(run):
+        steps = snapshot_pair_steps(r)
+    if len(steps) < 2:
+        _fail(
+            f"{run}: needs param snapshots at two steps, found {len(steps)}",
+            "record with CapturePolicy(full_every=N) to keep full parameter snapshots",
+        )
+    for s in (step_old, step_new):
+        if s is not None and s not in steps:
+            shown = ", ".join(map(str, steps[:20])) + (" ..." if len(steps) > 20 else "")
+            _fail(f"{run}: no param snapshot at step {s}", f"snapshot steps: {shown}")
+    model = _load_object(forward, "--forward")
+    if inspect.isclass(model):
+        try:
+            model = model()
+        except Exception as e:
+            _fail(f"--forward {forward!r}: cannot build {model.__name__}(): {e}")
+    if not callable(model) and not is_torch_module(model):
+        _fail(f"--forward {forward!r} is neither a callable nor a torch.nn.Module")
+    batch = _load_inputs(inputs)
+    thresholds = tuple(threshold) if threshold else DEFAULT_THRESHOLDS
+    try:
+        with _progress("sparse update") as cb:
+            q = sparse_update_from_run(
+                r, model, batch, step_old, step_new, thresholds, seed=seed, progress=cb
+            )
+    except (typer.Exit, KeyboardInterrupt):
+        raise
+    except Exception as e:
+        if os.environ.get("TRAINTAPE_DEBUG"):
+            raise
+        _fail(
+            f"sparse-update on {run} failed: {type(e).__name__}: {e}",
+            "the forward gets {canonical name: array} in canonical layout (or a torch module "
+            "its own parameters); TRAINTAPE_DEBUG=1 shows a traceback",
+        )
+    if as_json:
+        _json_out(q)
+        return
+    console.print(
+        f"[bold]{r.url}[/bold]: Δ = θ(step {q.step_new}) − θ(step {q.step_old}), "
+        f"{q.tensors} param tensors"
+    )
+    b = q.baseline
+    console.print(
+        f"no update at all: KL {b.kl:.3g}, cosine {b.cosine:.4f}, top-1 {b.top1:.3f}",
+        highlight=False,
+    )
+    t = Table(
+        "|Δ| >", "mask", "kept", "KL", "cosine", "MSE", "top-1",
+        title="magnitude mask vs a random mask of the same size",
+    )  # fmt: skip
+    for thr in q.thresholds:
+        for variant in ("magnitude", "random"):
+            x = q.result(variant, thr)
+            t.add_row(
+                f"{thr:g}" if variant == "magnitude" else "", variant, f"{x.kept:.1%}",
+                f"{x.kl:.3g}", f"{x.cosine:.6f}", f"{x.mse:.3g}", f"{x.top1:.3f}",
+            )  # fmt: skip
+    console.print(t)
 
 
 def main() -> None:

@@ -3,7 +3,8 @@
 - :func:`health` — gradient-flow health per layer (VANISHING, EXPLODING, DEAD, ...).
 - :func:`anomalies` — NaN/Inf first seen, loss and gradient spikes, dead units, stalls.
 - :func:`parameter_change` / :func:`change_from_stats` — how much parameters moved.
-- :func:`sparse_update_quality` — would a sparse update have done the same?
+- :func:`sparse_update_quality` / :func:`sparse_update_from_run` — would a sparse update
+  have done the same?
 - :func:`compare` — are two runs identical; which tensor diverged first.
 - :func:`write_report` — one self-contained HTML report.
 - :func:`export` — Parquet / CSV / NPZ.
@@ -23,7 +24,12 @@ from traintape.analysis.health import (
     health,
 )
 from traintape.analysis.report import render_report, write_report
-from traintape.analysis.sparse import SparseUpdateQuality, sparse_update_quality
+from traintape.analysis.sparse import (
+    OutputAgreement,
+    SparseUpdateQuality,
+    sparse_update_from_run,
+    sparse_update_quality,
+)
 
 __all__ = [
     "DEFAULT_TOLERANCES",
@@ -36,6 +42,7 @@ __all__ = [
     "Issue",
     "IssueType",
     "LayerHealth",
+    "OutputAgreement",
     "ParameterChange",
     "SparseUpdateQuality",
     "Status",
@@ -47,6 +54,7 @@ __all__ = [
     "health",
     "parameter_change",
     "render_report",
+    "sparse_update_from_run",
     "sparse_update_quality",
     "write_report",
 ]

@@ -10,8 +10,8 @@ which is the forward order of the usual ``layers/<i>`` / ``block_<i>`` naming.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -31,6 +31,112 @@ KIND_RANK = {
 """Order in which data flows within one step: θ_t → activations → gradients → update."""
 
 _SPLIT = re.compile(r"(\d+)")
+
+ProgressCallback = Callable[[str, int, int], None]
+"""``callback(stage, done, total)``: ``done`` of ``total`` units of work are finished and
+``stage`` says what is being done now. Units are what the analysis counts (row blocks of
+stats arrays read, tensors or snapshots compared, report sections); ``total`` may grow
+while an analysis discovers work, and ``done == total`` at the end."""
+
+
+class Tracker:
+    """Counts units of work and reports them to an optional :data:`ProgressCallback`.
+
+    :meth:`child` hands out a callback for a nested analysis: its units are added to this
+    tracker's (so a report can show one bar over the analyses it runs).
+    """
+
+    def __init__(self, callback: ProgressCallback | None = None, total: int = 0) -> None:
+        self.callback = callback
+        self.total = total
+        self.done = 0
+        self.stage_name = ""
+        self._children: list[list[int]] = []
+
+    def _emit(self) -> None:
+        if self.callback is not None:
+            done = self.done + sum(c[0] for c in self._children)
+            total = self.total + sum(c[1] for c in self._children)
+            self.callback(self.stage_name, done, max(total, done))
+
+    def add(self, n: int) -> None:
+        """Announce ``n`` more units of work."""
+        self.total += n
+        self._emit()
+
+    def stage(self, name: str) -> None:
+        """Say what is being done now."""
+        self.stage_name = name
+        self._emit()
+
+    def advance(self, n: int = 1) -> None:
+        """Mark ``n`` units finished."""
+        self.done += n
+        self._emit()
+
+    def child(self) -> ProgressCallback:
+        """A callback for a nested analysis whose units count towards this tracker."""
+        slot = [0, 0]
+        self._children.append(slot)
+
+        def callback(stage: str, done: int, total: int) -> None:
+            slot[0], slot[1] = done, total
+            self.stage_name = stage
+            self._emit()
+
+        return callback
+
+    def finish(self) -> None:
+        """Mark all announced work finished."""
+        for c in self._children:
+            c[0] = c[1] = max(c)
+        self.done = self.total = max(self.total, self.done)
+        self._emit()
+
+
+class StatsCache:
+    """Reads the stats array of each kind once, in row blocks, and keeps it.
+
+    Analyses that look at one kind several ways (health reads activations six times) go
+    through one cache; each row block read is one unit of ``tracker``'s progress. A block
+    is a whole number of the store's row chunks (at least ``block_rows`` rows).
+    """
+
+    def __init__(self, run: Run, tracker: Tracker | None = None, block_rows: int = 4096) -> None:
+        self.run = run
+        self.tracker = tracker or Tracker()
+        chunk = run.manifest.layout.row_chunk
+        self.block = chunk * max(1, -(-block_rows // chunk))
+        self._data: dict[Kind, np.ndarray] = {}
+
+    def blocks(self, kinds: Sequence[Kind | str] | None = None) -> int:
+        """Units of work to read ``kinds`` (default: all kinds of the run) not yet cached."""
+        ks = self.run.kinds() if kinds is None else [Kind(k) for k in kinds]
+        per = -(-self.run.rows // self.block) if self.run.rows else 0
+        return sum(
+            per
+            for k in ks
+            if k in self.run.kinds() and k not in self._data and self.run.tensor_names(k)
+        )
+
+    def get(self, kind: Kind | str) -> np.ndarray:
+        """Stats ``[row, tensor, stat]`` of ``kind`` (all committed rows)."""
+        kind = Kind(kind)
+        if kind not in self._data:
+            self.tracker.stage(f"reading {kind.value} stats")
+            parts = []
+            for start in range(0, self.run.rows, self.block):
+                stop = min(start + self.block, self.run.rows)
+                parts.append(self.run.stats_array(kind, rows=slice(start, stop)))
+                self.tracker.advance()
+            self._data[kind] = (
+                np.concatenate(parts, axis=0) if parts else self.run.stats_array(kind)
+            )
+        return self._data[kind]
+
+
+def _stats(run: Run, kind: Kind, cache: StatsCache | None) -> np.ndarray:
+    return cache.get(kind) if cache is not None else run.stats_array(kind)
 
 
 def natural_key(name: str) -> tuple:
@@ -78,18 +184,21 @@ def ordered_layers(run: Run, kind: Kind | str) -> list[str]:
     return sorted(layers, key=lambda x: (tensor_rank(rank, x + "/_"), natural_key(x)))
 
 
-def layer_norms(run: Run, kind: Kind | str) -> tuple[np.ndarray, list[str], np.ndarray]:
+def layer_norms(
+    run: Run, kind: Kind | str, cache: StatsCache | None = None
+) -> tuple[np.ndarray, list[str], np.ndarray]:
     """Per-layer L2 norm over steps: ``(steps [rows], layers, norms [rows, layer])``.
 
     A layer's norm is ``sqrt(sum of its tensors' l2**2)``; NaN where the kind was not
-    recorded at a row. Layers are in forward order. Reads the stats array of ``kind`` only.
+    recorded at a row. Layers are in forward order. Reads the stats array of ``kind`` only
+    (through ``cache`` when given).
     """
     kind = Kind(kind)
     names = run.tensor_names(kind)
     layers = ordered_layers(run, kind)
     if not names or run.rows == 0:
         return run.steps, layers, np.zeros((run.rows, len(layers)))
-    data = run.stats_array(kind)
+    data = _stats(run, kind, cache)
     l2 = data[:, :, STAT["l2"]]
     missing = np.isnan(data).all(axis=2)
     out = np.full((data.shape[0], len(layers)), np.nan)
@@ -105,7 +214,7 @@ def layer_norms(run: Run, kind: Kind | str) -> tuple[np.ndarray, list[str], np.n
 
 
 def layer_stat(
-    run: Run, kind: Kind | str, stat: str, reduce: str = "mean"
+    run: Run, kind: Kind | str, stat: str, reduce: str = "mean", cache: StatsCache | None = None
 ) -> tuple[np.ndarray, list[str], np.ndarray]:
     """A stat per layer over steps, combining a layer's tensors by ``reduce`` (mean/max/sum)."""
     kind = Kind(kind)
@@ -113,7 +222,7 @@ def layer_stat(
     layers = ordered_layers(run, kind)
     if not names or run.rows == 0:
         return run.steps, layers, np.zeros((run.rows, len(layers)))
-    data = run.stats_array(kind)[:, :, STAT[stat]]
+    data = _stats(run, kind, cache)[:, :, STAT[stat]]
     out = np.full((data.shape[0], len(layers)), np.nan)
     for c, layer in enumerate(layers):
         idx = [j for j, n in enumerate(names) if layer_of(n) == layer]
@@ -138,7 +247,7 @@ class _quiet:
         self._w.__enter__()
         warnings.simplefilter("ignore", RuntimeWarning)
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self._w.__exit__(*exc)
 
 

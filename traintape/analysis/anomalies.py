@@ -29,6 +29,9 @@ from pydantic import BaseModel, Field
 from traintape.analysis._common import (
     KIND_RANK,
     STAT,
+    ProgressCallback,
+    StatsCache,
+    Tracker,
     finite_float,
     forward_rank,
     layer_norms,
@@ -84,13 +87,13 @@ def _ev(**kw: Any) -> dict[str, Any]:
     return {k: finite_float(v) if isinstance(v, float | np.floating) else v for k, v in kw.items()}
 
 
-def _nonfinite(run: Run) -> list[Anomaly]:
+def _nonfinite(run: Run, cache: StatsCache) -> list[Anomaly]:
     rank = forward_rank(run)
     out: list[tuple[tuple, Anomaly]] = []
     steps = run.steps
     for kind in run.kinds():
         names = run.tensor_names(kind)
-        data = run.stats_array(kind)
+        data = cache.get(kind)
         for typ, col in (("nan", STAT["nan_count"]), ("inf", STAT["inf_count"])):
             cnt = data[:, :, col]
             bad = np.nan_to_num(cnt, nan=0.0) > 0
@@ -160,11 +163,30 @@ def _series_z(
     return out
 
 
-def anomalies(run: Run, thresholds: AnomalyThresholds | None = None) -> AnomalyReport:
-    """Detect anomalies in ``run`` (see module docstring); sorted by step."""
+def anomalies(
+    run: Run,
+    thresholds: AnomalyThresholds | None = None,
+    *,
+    progress: ProgressCallback | None = None,
+    cache: StatsCache | None = None,
+) -> AnomalyReport:
+    """Detect anomalies in ``run`` (see module docstring); sorted by step.
+
+    Args:
+        run: an open run (:func:`traintape.open_run`).
+        thresholds: override the defaults of :class:`AnomalyThresholds`.
+        progress: ``callback(stage, done, total)``; a unit is one row block of a stats
+            array read (every kind), plus one for the detectors.
+        cache: a shared stats cache (used by the report so that each array is read once).
+    """
     th = thresholds or AnomalyThresholds()
+    if cache is None:
+        cache = StatsCache(run, Tracker(progress))
+    tracker = cache.tracker
+    tracker.add(cache.blocks() + 1)
     found: list[Anomaly] = []
-    nonfinite = _nonfinite(run)
+    nonfinite = _nonfinite(run, cache)
+    tracker.stage("detecting anomalies")
     found += nonfinite
     kinds = set(run.kinds())
 
@@ -191,7 +213,7 @@ def anomalies(run: Run, thresholds: AnomalyThresholds | None = None) -> AnomalyR
                 )
 
     if Kind.GRAD in kinds:
-        steps, layers, g = layer_norms(run, Kind.GRAD)
+        steps, layers, g = layer_norms(run, Kind.GRAD, cache)
         with np.errstate(all="ignore"):
             lg = np.log10(np.where(g > 0, g, np.nan))
         for c, layer in enumerate(layers):
@@ -200,8 +222,8 @@ def anomalies(run: Run, thresholds: AnomalyThresholds | None = None) -> AnomalyR
             )
 
     if Kind.UPDATE in kinds and Kind.PARAM in kinds:
-        steps, ul, u = layer_norms(run, Kind.UPDATE)
-        _, pl, p = layer_norms(run, Kind.PARAM)
+        steps, ul, u = layer_norms(run, Kind.UPDATE, cache)
+        _, pl, p = layer_norms(run, Kind.PARAM, cache)
         for layer in ul:
             if layer not in pl:
                 continue
@@ -231,7 +253,7 @@ def anomalies(run: Run, thresholds: AnomalyThresholds | None = None) -> AnomalyR
                     )
 
     if Kind.ACTIVATION in kinds:
-        steps, layers, zf = layer_stat(run, Kind.ACTIVATION, "zero_frac", "max")
+        steps, layers, zf = layer_stat(run, Kind.ACTIVATION, "zero_frac", "max", cache)
         for c, layer in enumerate(layers):
             col = zf[:, c]
             mask = np.nan_to_num(col) > th.dead_frac
@@ -255,6 +277,7 @@ def anomalies(run: Run, thresholds: AnomalyThresholds | None = None) -> AnomalyR
                     evidence=ev,
                 )
             )
+    tracker.advance()
     found.sort(key=lambda a: a.step)  # stable: keeps the non-finite priority order
     first = nonfinite[0] if nonfinite else None  # documented priority (kind flow, forward order)
     return AnomalyReport(url=run.url, anomalies=found, first_nonfinite=first, thresholds=th)

@@ -23,7 +23,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 from pydantic import BaseModel, Field
 
-from traintape.analysis._common import layer_norms, layer_of
+from traintape.analysis._common import (
+    ProgressCallback,
+    StatsCache,
+    Tracker,
+    layer_norms,
+    layer_of,
+)
 from traintape.schema import Kind
 
 if TYPE_CHECKING:
@@ -113,8 +119,16 @@ def parameter_change(
     thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS,
     *,
     max_pairs: int | None = None,
+    progress: ProgressCallback | None = None,
 ) -> ParameterChange:
-    """Change between consecutive param snapshots (all tensors with snapshots)."""
+    """Change between consecutive param snapshots (all tensors with snapshots).
+
+    Args:
+        run: an open run (:func:`traintape.open_run`).
+        thresholds: ``|Δ|`` thresholds of the sparsity fractions.
+        max_pairs: only the last ``max_pairs`` snapshot pairs.
+        progress: ``callback(stage, done, total)``; a unit is one tensor of one step pair.
+    """
     specs = run.manifest.specs(Kind.PARAM)
     steps_by: dict[str, np.ndarray] = {}
     if Kind.PARAM in run.manifest.commit.snapshots:
@@ -123,15 +137,21 @@ def parameter_change(
     pairs = list(itertools.pairwise(all_steps))
     if max_pairs is not None:
         pairs = pairs[-max_pairs:]
+    tracker = Tracker(progress)
+    tracker.add(len(pairs) * len(steps_by))
     out = []
     for s0, s1 in pairs:
+        tracker.stage(f"parameter change {s0}→{s1}")
         total = _Agg(thresholds)
         layers: dict[str, _Agg] = {}
         comps: dict[str, _Agg] = {}
         tens: dict[str, ChangeStats] = {}
         for spec in specs:
             st = steps_by.get(spec.name)
-            if st is None or s0 not in st or s1 not in st:
+            if st is None:
+                continue
+            tracker.advance()
+            if s0 not in st or s1 not in st:
                 continue
             old = run.snapshot(spec.name, Kind.PARAM, s0).astype(np.float64)
             new = run.snapshot(spec.name, Kind.PARAM, s1).astype(np.float64)
@@ -155,16 +175,21 @@ def parameter_change(
                 per_tensor=tens,
             )
         )
+    tracker.finish()
     return ParameterChange(url=run.url, thresholds=list(thresholds), pairs=out)
 
 
-def change_from_stats(run: Run) -> tuple[np.ndarray, list[str], np.ndarray]:
+def change_from_stats(
+    run: Run, cache: StatsCache | None = None
+) -> tuple[np.ndarray, list[str], np.ndarray]:
     """Single-step relative change per layer: ``(steps, layers, ratio [rows, layer])``,
-    ``ratio = ‖update_t‖₂ / ‖θ_t‖₂`` (NaN where either was not recorded)."""
+    ``ratio = ‖update_t‖₂ / ‖θ_t‖₂`` (NaN where either was not recorded).
+
+    ``cache`` shares the stats reads with other analyses (see the report)."""
     if Kind.UPDATE not in run.kinds() or Kind.PARAM not in run.kinds():
         return run.steps, [], np.zeros((run.rows, 0))
-    steps, ul, u = layer_norms(run, Kind.UPDATE)
-    _, pl, p = layer_norms(run, Kind.PARAM)
+    steps, ul, u = layer_norms(run, Kind.UPDATE, cache)
+    _, pl, p = layer_norms(run, Kind.PARAM, cache)
     layers = [x for x in ul if x in pl]
     with np.errstate(all="ignore"):
         r = (

@@ -7,7 +7,7 @@
   manifest differences outside ``producer``, ``run_id``, ``created_at``, ``updated_at``,
   ``writer``, ``status``, ``events`` (and the commit mark's bookkeeping, which only
   restates the step/snapshot sets). Physical ``layout`` choices (chunking, compression)
-  are reported as notes and do not make runs differ.
+  are reported as notes and do not make runs differ, as is ``user["forward_order"]``.
 - **numeric** differences per (tensor, kind) over the common steps: max absolute and max
   relative error of the stat vectors and of the snapshots, the minimum cosine similarity of
   snapshots, and the first step at which the tensor leaves tolerance; metrics likewise.
@@ -45,6 +45,8 @@ from pydantic import BaseModel, Field
 
 from traintape.analysis._common import (
     KIND_RANK,
+    ProgressCallback,
+    Tracker,
     finite_float,
     forward_rank,
     natural_key,
@@ -179,6 +181,12 @@ def _structure(ra: Run, rb: Run, out: list[StructuralDiff], notes: list[str]) ->
     ma, mb = ra.manifest, rb.manifest
     da = ma.model_dump(mode="json")
     db = mb.model_dump(mode="json")
+    # forward_order is an ordering hint adapters write when they know it (Linen, torch,
+    # Keras; not NNX): equivalent models may have it on one side only
+    fa = (da.get("user") or {}).pop("forward_order", None)
+    fb = (db.get("user") or {}).pop("forward_order", None)
+    if fa is not None and fb is not None and fa != fb:
+        notes.append(f"forward order differs: {fa} vs {fb}")
     for key in sorted(set(da) | set(db)):
         if key in _IGNORED_MANIFEST:
             continue
@@ -222,6 +230,10 @@ def _structure(ra: Run, rb: Run, out: list[StructuralDiff], notes: list[str]) ->
                                   f"{len(only_b)} only in B"))  # fmt: skip
 
 
+def _has_snapshots(ra: Run, rb: Run, kind: Kind) -> bool:
+    return bool(ra.manifest.commit.snapshots.get(kind) or rb.manifest.commit.snapshots.get(kind))
+
+
 def _row_blocks(sa: np.ndarray, sb: np.ndarray, block: int):
     """Yield (rows_a slice, rows_b slice, idx_a, idx_b, steps) over the common steps."""
     common, ia, ib = np.intersect1d(sa, sb, assume_unique=True, return_indices=True)
@@ -245,9 +257,14 @@ def compare(
     tolerances: dict[str, Tolerance | dict[str, float]] | None = None,
     snapshots: bool = True,
     block_rows: int = 256,
+    progress: ProgressCallback | None = None,
 ) -> CompareReport:
     """Compare two runs (see module docstring). ``atol``/``rtol`` override every kind's
-    default; ``tolerances`` sets them per kind (``{'grad': {'atol': .., 'rtol': ..}}``)."""
+    default; ``tolerances`` sets them per kind (``{'grad': {'atol': .., 'rtol': ..}}``).
+
+    ``progress(stage, done, total)`` is called as work is done; a unit is one block of
+    ``block_rows`` common rows of one kind's stats, one tensor's snapshots, or the metrics.
+    """
     ra, rb = _open(run_a), _open(run_b)
     tols = {k: v.model_copy() for k, v in DEFAULT_TOLERANCES.items()}
     for k, v in (tolerances or {}).items():
@@ -264,11 +281,22 @@ def compare(
     accs: list[_Acc] = []
     sa, sb = ra.steps, rb.steps
     n_common = len(np.intersect1d(sa, sb))
-    for kind in sorted(set(ra.kinds()) & set(rb.kinds()), key=lambda k: KIND_RANK[k]):
+    common_kinds = sorted(set(ra.kinds()) & set(rb.kinds()), key=lambda k: KIND_RANK[k])
+    tracker = Tracker(progress)
+    n_blocks = -(-n_common // block_rows)
+    for kind in common_kinds:
+        nc = len(set(ra.tensor_names(kind)) & set(rb.tensor_names(kind)))
+        if nc:
+            tracker.add(n_blocks)
+            if snapshots and _has_snapshots(ra, rb, kind):
+                tracker.add(nc)
+    tracker.add(1)  # metrics
+    for kind in common_kinds:
         names_a, names_b = ra.tensor_names(kind), rb.tensor_names(kind)
         common = [n for n in names_a if n in set(names_b)]
         if not common:
             continue
+        tracker.stage(f"{kind.value} stats")
         ja = [names_a.index(n) for n in common]
         jb = [names_b.index(n) for n in common]
         tol = tols[kind.value]
@@ -282,12 +310,15 @@ def compare(
                 if m.any():
                     acc.add(A[m, t], B[m, t], steps[m], labels)
                     acc.d.steps_compared += int(m.sum())
-        if snapshots:
+            tracker.advance()
+        if snapshots and _has_snapshots(ra, rb, kind):
+            tracker.stage(f"{kind.value} snapshots")
             specs_a = {s.name: s for s in ra.manifest.specs(kind)}
             specs_b = {s.name: s for s in rb.manifest.specs(kind)}
             for acc in kacc:
                 n = acc.d.tensor
                 if specs_a[n].snapshot_shape != specs_b[n].snapshot_shape:
+                    tracker.advance()
                     continue
                 pa = ra.snapshot_steps(n, kind)
                 pb = rb.snapshot_steps(n, kind)
@@ -305,8 +336,10 @@ def compare(
                         cos if acc.d.min_cosine is None else min(acc.d.min_cosine, cos)
                     )
                     acc.d.snapshots_compared += 1
+                tracker.advance()
         accs += kacc
     # metrics
+    tracker.stage("metrics")
     mtol = tols["metrics"]
     ma, mb = ra.metrics(), rb.metrics()
     for c in [c for c in ma.columns if c in set(mb.columns)]:
@@ -328,6 +361,7 @@ def compare(
             StructuralDiff(what="metrics", tensor=c, message=f"metric {c} only in run {where}")
         )
 
+    tracker.finish()
     diffs = [a.d for a in accs]
     for d in diffs:
         d.max_abs = finite_float(d.max_abs) if d.max_abs is not None else None

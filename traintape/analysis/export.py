@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
+from traintape.analysis._common import ProgressCallback, Tracker
 from traintape.schema import STAT_NAMES
 
 if TYPE_CHECKING:
@@ -25,17 +26,35 @@ Format = Literal["parquet", "csv", "npz"]
 
 
 def export(
-    run: Run, out: str | os.PathLike[str], format: Format = "parquet", *, snapshots: bool = False
+    run: Run,
+    out: str | os.PathLike[str],
+    format: Format = "parquet",
+    *,
+    snapshots: bool = False,
+    progress: ProgressCallback | None = None,
 ) -> list[str]:
-    """Export ``run`` to ``out`` (a directory for parquet/csv, a file for npz); returns paths."""
+    """Export ``run`` to ``out`` (a directory for parquet/csv, a file for npz); returns paths.
+
+    ``progress(stage, done, total)`` is called as work is done; a unit is one kind's stats,
+    the metrics, one tensor's snapshots (npz with ``snapshots``) or writing the npz file.
+    """
+    if format not in ("parquet", "csv", "npz"):
+        raise ValueError(f"unknown export format {format!r}: use parquet, csv or npz")
     out = os.fspath(out)
     written: list[str] = []
+    tracker = Tracker(progress)
+    tracker.add(len(run.kinds()) + 1)
     if format == "npz":
+        snap_kinds = [k for k in run.kinds() if snapshots and k in run.manifest.commit.snapshots]
+        tracker.add(sum(len(run.tensor_names(k)) for k in snap_kinds) + 1)
         arrays: dict[str, np.ndarray] = {"steps": run.steps, "stat_names": np.asarray(STAT_NAMES)}
         for kind in run.kinds():
+            tracker.stage(f"{kind.value} stats")
             arrays[f"stats_{kind.value}"] = run.stats_array(kind)
             arrays[f"tensors_{kind.value}"] = np.asarray(run.tensor_names(kind))
-            if snapshots and kind in run.manifest.commit.snapshots:
+            tracker.advance()
+            if kind in snap_kinds:
+                tracker.stage(f"{kind.value} snapshots")
                 for n in run.tensor_names(kind):
                     st = run.snapshot_steps(n, kind)
                     if len(st):
@@ -43,16 +62,20 @@ def export(
                             run.snapshots(n, kind).read().result()
                         )
                         arrays[f"snapshot_steps/{kind.value}/{n}"] = st
+                    tracker.advance()
+        tracker.stage("metrics")
         met = run.metrics().reindex(run.steps)
         for c in met.columns:
             arrays[f"metric_{c}"] = met[c].to_numpy()
+        tracker.advance()
+        tracker.stage("writing npz")
         path = out if out.endswith(".npz") else out + ".npz"
         np.savez_compressed(path, **arrays)  # type: ignore[arg-type]
+        tracker.finish()
         return [path]
-    if format not in ("parquet", "csv"):
-        raise ValueError(f"unknown export format {format!r}: use parquet, csv or npz")
     os.makedirs(out, exist_ok=True)
     for kind in run.kinds():
+        tracker.stage(f"{kind.value} stats")
         df = run.stats(kind)
         path = os.path.join(out, f"stats_{kind.value}.{format}")
         if format == "parquet":
@@ -60,6 +83,8 @@ def export(
         else:
             df.to_csv(path, index=False)
         written.append(path)
+        tracker.advance()
+    tracker.stage("metrics")
     met = run.metrics().reset_index()
     path = os.path.join(out, f"metrics.{format}")
     if format == "parquet":
@@ -67,4 +92,5 @@ def export(
     else:
         met.to_csv(path, index=False)
     written.append(path)
+    tracker.finish()
     return written

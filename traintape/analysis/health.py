@@ -27,6 +27,9 @@ from pydantic import BaseModel, Field
 
 from traintape.analysis._common import (
     STAT,
+    ProgressCallback,
+    StatsCache,
+    Tracker,
     _quiet,
     finite_float,
     layer_norms,
@@ -176,25 +179,48 @@ def _med(x: np.ndarray) -> float | None:
     return float(np.median(x)) if len(x) else None
 
 
-def health(run: Run, thresholds: HealthThresholds | None = None) -> HealthReport:
-    """Gradient-flow health of every layer of ``run`` (see module docstring)."""
+_KINDS = (Kind.GRAD, Kind.PARAM, Kind.UPDATE, Kind.ACTIVATION)
+
+
+def health(
+    run: Run,
+    thresholds: HealthThresholds | None = None,
+    *,
+    progress: ProgressCallback | None = None,
+    cache: StatsCache | None = None,
+) -> HealthReport:
+    """Gradient-flow health of every layer of ``run`` (see module docstring).
+
+    Args:
+        run: an open run (:func:`traintape.open_run`).
+        thresholds: override the defaults of :class:`HealthThresholds`.
+        progress: ``callback(stage, done, total)``; a unit is one row block of a stats
+            array read (grad, param, update, activation), plus one for the analysis.
+        cache: a shared stats cache (used by the report so that each array is read once).
+    """
     th = thresholds or HealthThresholds()
+    if cache is None:
+        cache = StatsCache(run, Tracker(progress))
+    tracker = cache.tracker
+    tracker.add(cache.blocks(_KINDS) + 1)
     kinds = set(run.kinds())
     if Kind.GRAD in kinds:
-        steps, layers, g = layer_norms(run, Kind.GRAD)
+        steps, layers, g = layer_norms(run, Kind.GRAD, cache)
     else:
         steps, layers, g = run.steps, [], np.zeros((run.rows, 0))
-    p_layers, p = ([], None)
+    p_layers: list[str] = []
+    p: np.ndarray | None = None
     if Kind.PARAM in kinds:
-        _, p_layers, p = layer_norms(run, Kind.PARAM)
-    u_layers, u = ([], None)
+        _, p_layers, p = layer_norms(run, Kind.PARAM, cache)
+    u_layers: list[str] = []
+    u: np.ndarray | None = None
     if Kind.UPDATE in kinds:
-        _, u_layers, u = layer_norms(run, Kind.UPDATE)
+        _, u_layers, u = layer_norms(run, Kind.UPDATE, cache)
     all_layers = list(layers) + [x for x in p_layers if x not in layers]
     grad_nonfinite = None
     grad_zero_steps = None
     if Kind.GRAD in kinds:
-        data = run.stats_array(Kind.GRAD)
+        data = cache.get(Kind.GRAD)
         names = run.tensor_names(Kind.GRAD)
         nf = data[:, :, STAT["nan_count"]] + data[:, :, STAT["inf_count"]]
         grad_nonfinite = {
@@ -212,12 +238,12 @@ def health(run: Run, thresholds: HealthThresholds | None = None) -> HealthReport
             grad_zero_steps[layer] = float(allzero.sum() / max(rec.sum(), 1))
     act: dict[str, dict[str, float | None]] = {}
     if Kind.ACTIVATION in kinds:
-        _, a_layers, zfrac = layer_stat(run, Kind.ACTIVATION, "zero_frac", "max")
-        _, _, amin = layer_stat(run, Kind.ACTIVATION, "min", "mean")
-        _, _, amax = layer_stat(run, Kind.ACTIVATION, "max", "mean")
-        _, _, aabs = layer_stat(run, Kind.ACTIVATION, "abs_mean", "mean")
-        _, _, amean = layer_stat(run, Kind.ACTIVATION, "mean", "mean")
-        _, _, astd = layer_stat(run, Kind.ACTIVATION, "std", "mean")
+        _, a_layers, zfrac = layer_stat(run, Kind.ACTIVATION, "zero_frac", "max", cache)
+        _, _, amin = layer_stat(run, Kind.ACTIVATION, "min", "mean", cache)
+        _, _, amax = layer_stat(run, Kind.ACTIVATION, "max", "mean", cache)
+        _, _, aabs = layer_stat(run, Kind.ACTIVATION, "abs_mean", "mean", cache)
+        _, _, amean = layer_stat(run, Kind.ACTIVATION, "mean", "mean", cache)
+        _, _, astd = layer_stat(run, Kind.ACTIVATION, "std", "mean", cache)
         for c, layer in enumerate(a_layers):
             with _quiet():
                 act[layer] = {
@@ -260,6 +286,7 @@ def health(run: Run, thresholds: HealthThresholds | None = None) -> HealthReport
             lh.act_zero_frac = act[layer]["zero_frac"]
         out.append(lh)
 
+    tracker.stage("analysing layers")
     # ---------------------------------------------------------------- per-layer issues
     rels = [lh.rel_grad for lh in out if lh.rel_grad is not None and lh.rel_grad > 0]
     top_rel = max(rels) if rels else None
@@ -381,5 +408,6 @@ def health(run: Run, thresholds: HealthThresholds | None = None) -> HealthReport
     sev_all = {i.severity for i in run_issues} | {lh.status for lh in out}
     status = (Status.CRITICAL if Status.CRITICAL in sev_all
               else Status.WARNING if Status.WARNING in sev_all else Status.HEALTHY)  # fmt: skip
+    tracker.advance()
     return HealthReport(url=run.url, steps=len(steps), layers=out, run_issues=run_issues,
                         thresholds=th, score=round(score, 1), status=status)  # fmt: skip

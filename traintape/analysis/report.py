@@ -15,7 +15,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from traintape.analysis._common import STAT, layer_norms, natural_key
+from traintape.analysis._common import (
+    STAT,
+    ProgressCallback,
+    StatsCache,
+    Tracker,
+    layer_norms,
+    natural_key,
+)
 from traintape.analysis.anomalies import AnomalyReport, anomalies
 from traintape.analysis.change import change_from_stats, parameter_change
 from traintape.analysis.health import HealthReport, health
@@ -63,7 +70,7 @@ def _heatmap(steps: np.ndarray, layers: list[str], values: np.ndarray, title: st
         z = np.log10(np.where(values > 0, values, np.nan)).T
     fig, ax = plt.subplots(figsize=(11, 0.35 * len(layers) + 1.6))
     ext = (
-        [float(steps[0]) - 0.5, float(steps[-1]) + 0.5, len(layers) - 0.5, -0.5]
+        (float(steps[0]) - 0.5, float(steps[-1]) + 0.5, len(layers) - 0.5, -0.5)
         if len(steps)
         else None
     )
@@ -97,7 +104,7 @@ def _metrics_fig(run: Run) -> str | None:
     return _png(fig)
 
 
-def _weights_fig(run: Run, max_tensors: int = 8) -> str | None:
+def _weights_fig(run: Run, cache: StatsCache, max_tensors: int = 8) -> str | None:
     import matplotlib.pyplot as plt
 
     if Kind.PARAM not in run.kinds():
@@ -105,7 +112,7 @@ def _weights_fig(run: Run, max_tensors: int = 8) -> str | None:
     names = run.tensor_names(Kind.PARAM)
     pick = [n for n in names if n.endswith(("kernel", "embedding", "kernel_ih"))] or names
     pick = sorted(pick, key=natural_key)[:max_tensors]
-    data = run.stats_array(Kind.PARAM, pick)
+    data = cache.get(Kind.PARAM)[:, [names.index(n) for n in pick]]
     steps = run.steps[: data.shape[0]]
     cols = min(4, len(pick))
     rows = int(np.ceil(len(pick) / cols))
@@ -186,10 +193,10 @@ def _anomalies_html(a: AnomalyReport, limit: int = 100) -> str:
     )
 
 
-def _change_html(run: Run) -> tuple[str, str | None]:
+def _change_html(run: Run, cache: StatsCache) -> tuple[str, str | None]:
     import matplotlib.pyplot as plt
 
-    pc = parameter_change(run, max_pairs=20)
+    pc = parameter_change(run, max_pairs=20, progress=cache.tracker.child())
     parts = []
     if pc.pairs:
         thr = [f"{t:g}" for t in pc.thresholds]
@@ -210,7 +217,7 @@ def _change_html(run: Run) -> tuple[str, str | None]:
             + rows
             + "</table>"
         )
-    steps, layers, r = change_from_stats(run)
+    steps, layers, r = change_from_stats(run, cache)
     fig_src = None
     if layers and len(steps):
         fig, ax = plt.subplots(figsize=(11, 3))
@@ -227,11 +234,24 @@ def _change_html(run: Run) -> tuple[str, str | None]:
     return "".join(parts), fig_src
 
 
-def render_report(run: Run) -> str:
-    """The HTML text of the report of ``run``."""
+_FIGURES = 5  # metrics, grad heatmap, ratio heatmap, weights, change curves
+
+
+def render_report(run: Run, *, progress: ProgressCallback | None = None) -> str:
+    """The HTML text of the report of ``run``.
+
+    ``progress(stage, done, total)`` is called as work is done: a unit is one row block of
+    a stats array read (each is read once, shared by all sections), one figure, one
+    analysis (health, anomalies) and one tensor of a snapshot pair (parameter change).
+    """
     import matplotlib
 
     matplotlib.use("Agg", force=False)
+    tracker = Tracker(progress)
+    cache = StatsCache(run, tracker)
+    tracker.add(cache.blocks() + _FIGURES)
+    for kind in run.kinds():
+        cache.get(kind)
     m = run.manifest
     p = m.producer
     steps = run.steps
@@ -260,33 +280,40 @@ def render_report(run: Run) -> str:
         + "</table>"
     )
     body = [f"<h1>traintape report — {_e(m.run_id)}</h1>", "<h2>Run</h2>", info]
+    tracker.stage("figures")
     mf = _metrics_fig(run)
+    tracker.advance()
     body.append("<h2>Metrics</h2>" + (_img(mf, "metric curves") if mf else "<p>No metrics.</p>"))
     body.append("<h2>Gradient norm by layer</h2>")
     if Kind.GRAD in run.kinds() and run.rows:
-        s, layers, g = layer_norms(run, Kind.GRAD)
+        s, layers, g = layer_norms(run, Kind.GRAD, cache)
         body.append(
             _img(_heatmap(s, layers, g, "gradient L2 norm (log10), layer × step"), "grad heatmap")
         )
     else:
         body.append("<p>No gradients recorded.</p>")
+    tracker.advance()
     body.append("<h2>Update / param ratio by layer</h2>")
-    s, layers, r = change_from_stats(run)
+    s, layers, r = change_from_stats(run, cache)
     if layers and run.rows:
         body.append(
             _img(_heatmap(s, layers, r, "‖update‖/‖param‖ (log10), layer × step"), "ratio heatmap")
         )
     else:
         body.append("<p>Needs param and update kinds.</p>")
-    wf = _weights_fig(run)
+    tracker.advance()
+    wf = _weights_fig(run, cache)
+    tracker.advance()
     body.append(
         "<h2>Weight distributions over steps</h2>"
         + (_img(wf, "weights") if wf else "<p>No params.</p>")
     )
-    body.append("<h2>Health</h2>" + _health_html(health(run)))
-    body.append("<h2>Anomalies</h2>" + _anomalies_html(anomalies(run)))
-    ch, chf = _change_html(run)
+    body.append("<h2>Health</h2>" + _health_html(health(run, cache=cache)))
+    body.append("<h2>Anomalies</h2>" + _anomalies_html(anomalies(run, cache=cache)))
+    ch, chf = _change_html(run, cache)
+    tracker.advance()
     body.append("<h2>Parameter change</h2>" + ch + (_img(chf, "parameter change") if chf else ""))
+    tracker.finish()
     return (
         "<!DOCTYPE html><html><head><meta charset='utf-8'>"
         f"<title>traintape report {_e(m.run_id)}</title><style>{_CSS}</style></head><body>"
@@ -295,8 +322,11 @@ def render_report(run: Run) -> str:
     )
 
 
-def write_report(run: Run, out: str) -> str:
-    """Write the report of ``run`` to ``out`` (one self-contained HTML file); returns out."""
+def write_report(run: Run, out: str, *, progress: ProgressCallback | None = None) -> str:
+    """Write the report of ``run`` to ``out`` (one self-contained HTML file); returns out.
+
+    ``progress``: see :func:`render_report`."""
+    text = render_report(run, progress=progress)
     with open(out, "w", encoding="utf-8") as f:
-        f.write(render_report(run))
+        f.write(text)
     return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,8 +44,14 @@ class ValidationReport:
         return self.ok
 
 
-def validate(url: str | os.PathLike[str]) -> ValidationReport:
-    """Validate the store at ``url``; never raises for a bad store, reports instead."""
+def validate(
+    url: str | os.PathLike[str], progress: Callable[[int, int], None] | None = None
+) -> ValidationReport:
+    """Validate the store at ``url``; never raises for a bad store, reports instead.
+
+    ``progress(chunks_checked, total_chunks)`` is called as chunks are read (for progress
+    bars; the total is known once every array is opened).
+    """
     u = normalize_url(url)
     report = ValidationReport(u)
     path = local_path(u)
@@ -57,12 +64,20 @@ def validate(url: str | os.PathLike[str]) -> ValidationReport:
         report.problems.append(str(e))
         return report
     report.manifest = m
-    _Checker(u, m, report).run()
+    _Checker(u, m, report, progress).run()
     return report
 
 
 class _Checker:
-    def __init__(self, url: str, m: Manifest, report: ValidationReport) -> None:
+    def __init__(
+        self,
+        url: str,
+        m: Manifest,
+        report: ValidationReport,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.progress = progress
+        self.total_chunks = 0
         self.url = url
         self.m = m
         self.r = report
@@ -136,11 +151,15 @@ class _Checker:
                     self.problem(f"array {path}: chunk shape {cs}, declared {chunks}")
 
         self.check_steps(arrays.get(L.STEPS))
+        todo = []
         for path, arr in arrays.items():
             need = rows
             if path.startswith(L.SNAPSHOT_STEPS) or path.startswith(L.SNAPSHOTS + "/"):
                 need = snap_kinds.get(Kind(path.split("/")[1]), 0)
-            self.check_chunks(path, arr, min(need, arr.shape[0]))
+            todo.append((path, arr, min(need, arr.shape[0])))
+        self.total_chunks = sum(len(_chunk_grid(arr, n)) for _, arr, n in todo)
+        for path, arr, n in todo:
+            self.check_chunks(path, arr, n)
         for kind in snap_kinds:
             arr = arrays.get(L.snapshot_steps_path(kind))
             if arr is not None and L.STEPS in arrays:
@@ -192,18 +211,11 @@ class _Checker:
 
     def check_chunks(self, path: str, arr: ts.TensorStore, n: int) -> None:
         """Read every chunk of the first ``n`` entries: crc32c is verified on decode."""
-        if n <= 0:
-            return
-        chunk = list(arr.chunk_layout.write_chunk.shape)
-        grids = [range(0, n, chunk[0])] + [
-            range(0, s, c) for s, c in zip(arr.shape[1:], chunk[1:], strict=True)
-        ]
-        for origin in itertools.product(*grids):
-            sel = tuple(
-                slice(o, min(o + c, (n if i == 0 else arr.shape[i])))
-                for i, (o, c) in enumerate(zip(origin, chunk, strict=True))
-            )
+        for sel in _chunk_grid(arr, n):
+            origin = [s.start for s in sel]
             self.r.chunks_checked += 1
+            if self.progress is not None:
+                self.progress(self.r.chunks_checked, self.total_chunks)
             try:
                 arr[sel].read().result()
             except Exception as e:
@@ -232,6 +244,23 @@ class _Checker:
         for g in sorted(groups - {""}):
             if g not in nodes:
                 self.problem(f"group {g}: zarr.json missing (plain Zarr readers will not find it)")
+
+
+def _chunk_grid(arr: ts.TensorStore, n: int) -> list[tuple[slice, ...]]:
+    """Selections of every write chunk of the first ``n`` entries of ``arr``."""
+    if n <= 0:
+        return []
+    chunk = list(arr.chunk_layout.write_chunk.shape)
+    grids = [range(0, n, chunk[0])] + [
+        range(0, s, c) for s, c in zip(arr.shape[1:], chunk[1:], strict=True)
+    ]
+    return [
+        tuple(
+            slice(o, min(o + c, (n if i == 0 else arr.shape[i])))
+            for i, (o, c) in enumerate(zip(origin, chunk, strict=True))
+        )
+        for origin in itertools.product(*grids)
+    ]
 
 
 def _short(e: Any) -> str:
