@@ -1,21 +1,40 @@
 """Overhead of traintape.tf.GradientTape stats inside tf.function, >= 10M-param MLP (CPU).
 
-Variants, each one ``tf.function`` train step (forward, gradient, Adam), interleaved
-round-robin in one process (same model, same batch, medians):
+Step variants, each one ``tf.function`` train step (forward, gradient, Adam) on the same
+model and batch, interleaved in rounds (``benchmarks/_common.py``: rotating round-robin,
+per-round medians, paired deltas against the baseline of the same round):
 
 - ``baseline``: ``tf.GradientTape``;
-- ``traintape``: ``traintape.tf.GradientTape`` recording ``param`` + ``grad`` stat
-  vectors every step (default: on CPU the tensors go to the host through the one
-  ``tf.numpy_function`` and the fused C kernel computes the stats);
-- ``traintape_graph``: the same with the stats computed by TF ops in the graph
-  (the adapter's non-CPU path), to show which is faster;
 - ``floor``: baseline step + one plain ``reduce_sum`` over every variable and gradient
   in the same graph (one memory pass: the floor for stats capture);
+- ``traintape``: ``traintape.tf.GradientTape`` recording ``param`` + ``grad`` stat
+  vectors every step (default CPU path: the tensors cross to the host zero-copy through
+  one ``tf.numpy_function`` and the fused C kernel computes every stat in one pass);
+- ``traintape_graph``: the same with the stats computed by TF ops in the graph (the
+  adapter's non-CPU path), to show which is faster;
 - ``tf_summary``: baseline step + ``tf.summary.histogram`` of every variable and
   gradient every step, in the same graph (what TensorBoard users write by hand).
 
-Prints ms/step medians, overhead / floor and overhead as % of step, and peer ratios.
-Usage: python benchmarks/tf_overhead.py [--batch 512] [--rounds 5] [--steps 3] [--quick]
+Then the stat computation and the floor **in isolation**, on the same tensors (the
+variables and gradients of one step), interleaved the same way with the CPU caches
+flushed before each call (as in a step, the ~100 MB arrive cold) — robust where the
+in-step deltas drown in the noise of a shared CPU:
+
+- ``sum_pass``: ``tf.function`` of ``add_n(reduce_sum(t))`` (the floor);
+- ``tt_host``: ``tf.function`` of the adapter's host crossing — one
+  ``tf.numpy_function`` running the fused kernel (:func:`host_stat_matrices`);
+- ``fused_numpy``: the fused kernel alone on zero-copy numpy views (no TF);
+- ``np_sum``: a numpy sum pass over those views (the host's own floor);
+- ``tt_graph``: ``tf.function`` of :func:`traintape.tf.stat_matrix` (TF-op graph).
+
+And, inside the ``traintape`` steps themselves, the wall time of the host stat call
+(``host_stat_matrices``, wrapped with a timer by this script): the stats' cost in situ,
+free of the step-to-step noise.
+
+Prints ms/step medians, overhead / floor and overhead as % of step (in-step, in situ
+and isolated), and the tf.summary ratio.
+Usage: python benchmarks/tf_overhead.py [--batch 512] [--rounds 12] [--steps 3]
+[--kernel-reps 5] [--threads 2] [--quick]
 """
 
 from __future__ import annotations
@@ -25,31 +44,39 @@ import os
 import statistics
 import tempfile
 import time
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import numpy as np
 import tensorflow as tf
+from _common import (
+    add_common_args,
+    apply_quick,
+    interleave,
+    overhead_line,
+    print_table,
+    repeat,
+    time_kernels,
+)
 
 import traintape
 import traintape.tf as ttf
+from traintape.adapters.tf import capture as tf_capture
 from traintape.adapters.tf import stats as tf_stats
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batch", type=int, default=512)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=3, help="steps per variant per round")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--quick", action="store_true", help="tiny smoke run")
+    add_common_args(ap, rounds=12, steps=3)
+    ap.add_argument("--kernel-reps", type=int, default=5, help="isolated calls per round")
     args = ap.parse_args()
+    sizes = apply_quick(args)
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     tf.config.threading.set_inter_op_parallelism_threads(args.threads)
     os.environ.setdefault("TRAINTAPE_FUSED_THREADS", str(args.threads))
     import keras
 
-    sizes = [1024, 2048, 2048, 2048, 1024, 10]
-    if args.quick:
-        sizes, args.batch, args.rounds, args.steps = [64, 128, 10], 32, 2, 2
     keras.utils.set_random_seed(0)
     model = keras.Sequential(
         [keras.Input((sizes[0],))]
@@ -65,22 +92,24 @@ def main() -> None:
     y = tf.random.uniform([args.batch], 0, sizes[-1], dtype=tf.int32)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     vs = model.trainable_variables
+    host_ok = tf_stats.host_stats_enabled()
     print(f"model: Keras MLP {sizes}, {n_params / 1e6:.2f}M params, batch {args.batch}, "
-          f"{args.threads} threads, tensorflow {tf.__version__}")  # fmt: skip
+          f"{args.threads} threads, tensorflow {tf.__version__}, traintape stats on "
+          f"{'the host (fused C kernel)' if host_ok else 'the TF graph'}")  # fmt: skip
 
-    def grads_of(tape_cls, **kw):
+    def grads_of(tape_cls: Any, **kw: Any) -> tuple[tf.Tensor, list[tf.Tensor]]:
         with tape_cls(**kw) as tape:
             loss = loss_fn(y, model(x, training=True))
         return loss, tape.gradient(loss, vs)
 
     @tf.function
-    def baseline():
+    def baseline() -> tf.Tensor:
         loss, g = grads_of(tf.GradientTape)
         opt.apply_gradients(zip(g, vs, strict=True))
         return loss
 
     @tf.function
-    def floor():
+    def floor() -> tf.Tensor:
         loss, g = grads_of(tf.GradientTape)
         s = tf.add_n([tf.reduce_sum(t) for t in [*vs, *g]])
         opt.apply_gradients(zip(g, vs, strict=True))
@@ -91,7 +120,7 @@ def main() -> None:
     counter = tf.Variable(0, dtype=tf.int64)
 
     @tf.function
-    def tf_summary():
+    def tf_summary() -> tf.Tensor:
         loss, g = grads_of(tf.GradientTape)
         with writer.as_default(step=counter):
             for v, gv in zip(vs, g, strict=True):
@@ -103,12 +132,12 @@ def main() -> None:
 
     policy = traintape.CapturePolicy(every=1, kinds=("param", "grad"))
 
-    def tt_step(name: str, host: bool):
+    def tt_step(name: str, host: bool) -> tuple[traintape.Recorder, Any]:
         rec = traintape.Recorder(f"memory://tf-bench-{name}", policy, flush_every_steps=10_000)
         step = tf.Variable(0, dtype=tf.int64)
 
         @tf.function
-        def fn():
+        def fn() -> tf.Tensor:
             loss, g = grads_of(ttf.GradientTape, recorder=rec, model=model, step=step)
             opt.apply_gradients(zip(g, vs, strict=True))
             step.assign_add(1)
@@ -118,37 +147,81 @@ def main() -> None:
         fn()
         return rec, fn
 
-    host_ok = tf_stats.host_stats_enabled()
+    in_situ: list[float] = []  # wall time of each host stat call inside the steps
+    host_stats = tf_capture.host_stat_matrices
+
+    def timed_host_stats(groups: Any) -> Any:
+        t0 = time.perf_counter()
+        out = host_stats(groups)
+        in_situ.append(time.perf_counter() - t0)
+        return out
+
+    tf_capture.host_stat_matrices = timed_host_stats
     rec_h, tt_host = tt_step("host", host_ok)
     rec_g, tt_graph = tt_step("graph", False)
     tf_stats._HOST = None
-    variants = {"baseline": baseline, "floor": floor, "traintape": tt_host,
-                "traintape_graph": tt_graph, "tf_summary": tf_summary}  # fmt: skip
-    for fn in variants.values():
+    steps = {"baseline": baseline, "floor": floor, "traintape": tt_host,
+             "traintape_graph": tt_graph, "tf_summary": tf_summary}  # fmt: skip
+    for fn in steps.values():
         fn()  # trace + warm up
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    for _ in range(args.rounds):
-        for k, fn in variants.items():
-            for _ in range(args.steps):
-                t0 = time.perf_counter()
-                fn().numpy()
-                times[k].append(time.perf_counter() - t0)
+    in_situ.clear()
+    t = interleave(
+        {k: repeat(k, lambda fn=fn: fn().numpy(), args.steps) for k, fn in steps.items()},
+        args.rounds,
+    )
     rec_h.close()
     rec_g.close()
-    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    base = med["baseline"]
-    fl = max(med["floor"] - base, 1e-9)
-    print("\nmedian ms/step:", ", ".join(f"{k} {v:.1f}" for k, v in med.items()))
-    print(f"floor (one reduce_sum pass over vars+grads, {2 * n_params / 1e6:.1f}M elements, "
-          f"in the step graph): {fl:.2f} ms")  # fmt: skip
-    for k, label in (("traintape", "host fused kernel" if host_ok else "graph"),
-                     ("traintape_graph", "TF-op graph")):  # fmt: skip
-        over = med[k] - base
-        print(f"{k} ({label}) stats every step: overhead {over:.2f} ms = {over / fl:.2f}x floor, "
-              f"{100 * over / base:.2f}% of step (target <= 2x, <= 5%)")  # fmt: skip
-    over = med["tf_summary"] - base
-    print(f"tf.summary.histogram every var+grad: step {med['tf_summary'] / base:.2f}x baseline "
-          f"({over:.1f} ms overhead)")  # fmt: skip
+    tf_capture.host_stat_matrices = host_stats
+
+    # ---- isolated: the stat computation vs the floor, on the same tensors
+    grads = tf.function(lambda: grads_of(tf.GradientTape)[1])()
+    tensors = [tf.convert_to_tensor(v) for v in vs] + list(grads)
+    views = [np.asarray(a) for a in tensors]  # zero-copy
+    sum_pass = tf.function(lambda ts: tf.add_n([tf.reduce_sum(a) for a in ts]))
+
+    def host_fn(*arrays: np.ndarray) -> np.ndarray:
+        return tf_stats.host_stat_matrices([arrays])[0]
+
+    tt_host_iso = tf.function(lambda ts: tf.numpy_function(host_fn, ts, tf.float64, stateful=True))
+    tt_graph_iso = tf.function(ttf.stat_matrix)
+    kernels = {
+        "sum_pass": lambda: sum_pass(tensors).numpy(),
+        "tt_host": lambda: tt_host_iso(tensors).numpy(),
+        "fused_numpy": lambda: tf_stats.host_stat_matrices([views]),
+        "np_sum": lambda: sum(float(a.sum()) for a in views),
+        "tt_graph": lambda: tt_graph_iso(tensors).numpy(),
+    }
+    k = time_kernels(kernels, args.rounds, args.kernel_reps)
+
+    # ---- report
+    base = t.median("baseline")
+    print_table(t, "baseline")
+    fl = t.delta("floor", "baseline")[0]
+    print(f"\nin-step floor (one reduce_sum pass over vars+grads, {2 * n_params / 1e6:.1f}M "
+          f"elements, in the step graph): {fl:.2f} ms")  # fmt: skip
+    for name, label in (("traintape", "host fused kernel" if host_ok else "graph"),
+                        ("traintape_graph", "TF-op graph")):  # fmt: skip
+        print(overhead_line(f"{name} ({label}) stats every step, in-step",
+                            t.delta(name, "baseline")[0], fl, base))  # fmt: skip
+    ks = k.medians()
+    if in_situ:
+        situ = statistics.median(in_situ) * 1e3
+        print(overhead_line(f"traintape host stat call timed inside the steps ({len(in_situ)} "
+                            "calls; floor = isolated sum pass)", situ, ks["sum_pass"], base))  # fmt: skip
+    print(f"\nisolated, cold caches, on the same {len(tensors)} tensors ({2 * n_params / 1e6:.1f}M "
+          f"elements), median ms: " + ", ".join(f"{n} {v:.2f}" for n, v in ks.items()))  # fmt: skip
+    for name, label in (("tt_host", "numpy_function + fused kernel, the adapter's CPU path"),
+                        ("fused_numpy", "fused kernel alone"),
+                        ("tt_graph", "TF-op stat graph")):  # fmt: skip
+        print(overhead_line(f"{name} ({label})", ks[name], ks["sum_pass"], base)
+              + f"; {k.ratio(name, 'sum_pass'):.2f}x paired")  # fmt: skip
+    print(f"host floor: numpy sum pass {ks['np_sum']:.2f} ms "
+          f"(fused kernel = {ks['fused_numpy'] / ks['np_sum']:.2f}x it)")  # fmt: skip
+    over_tt = t.delta("traintape", "baseline")[0]
+    over_sum = t.delta("tf_summary", "baseline")[0]
+    rel = f", {over_sum / over_tt:.0f}x traintape's" if over_tt > 0 else ""
+    print(f"\ntf.summary.histogram every var+grad: step {t.ratio('tf_summary', 'baseline'):.2f}x "
+          f"baseline ({over_sum:.1f} ms overhead{rel})")  # fmt: skip
 
 
 if __name__ == "__main__":

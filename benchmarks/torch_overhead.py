@@ -1,21 +1,26 @@
 """Overhead of traintape.torch.watch stats on a >= 10M-parameter MLP (CPU, 2 threads).
 
-Variants, interleaved round-robin in one process (same model, same batch, medians):
+Variants, interleaved in rounds in one process (same model, same batch;
+``benchmarks/_common.py``: rotating round-robin, per-round medians, paired deltas
+against the baseline of the same round):
 
 - ``baseline``: forward + backward + Adam step;
 - ``traintape``: the same step under ``traintape.torch.watch`` recording ``param`` and
   ``grad`` stat vectors every step (``CapturePolicy(every=1, kinds=(param, grad))``,
   in-memory store);
-- ``floor``: baseline step followed by one plain ``sum`` over the same params + grads
-  (one memory pass: the floor for stats capture), timed on its own in the same loop;
 - ``wandb``: ``wandb.watch(model, log="all", log_freq=1)`` + ``wandb.log`` per step,
   ``WANDB_MODE=offline``;
 - ``tensorboard``: ``SummaryWriter.add_histogram`` for every parameter and gradient
   every step.
 
+In the baseline variant's rounds, two kernels are also timed in isolation on the same
+params + grads: ``floor`` (one plain ``sum`` pass, the floor for stats capture) and
+``stats_direct`` (the adapter's stat call alone).
+
 Prints ms/step medians, traintape overhead / floor (from step times and from the stats
 call timed directly) and overhead as % of the step, and the peers' step-time ratios.
-Usage: python benchmarks/torch_overhead.py [--batch 512] [--rounds 5] [--steps 3] [--quick]
+Usage: python benchmarks/torch_overhead.py [--batch 512] [--rounds 12] [--steps 3]
+[--threads 2] [--quick] [--no-peers]
 """
 
 from __future__ import annotations
@@ -23,12 +28,19 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import statistics
 import tempfile
-import time
 from collections.abc import Callable
 
 import torch
+from _common import (
+    Timings,
+    add_common_args,
+    apply_quick,
+    interleave,
+    overhead_line,
+    print_table,
+    repeat,
+)
 from torch import nn
 
 import traintape
@@ -37,6 +49,7 @@ from traintape.adapters.torch import stats as S
 
 
 def make_model(sizes: list[int]) -> nn.Sequential:
+    """Linear/ReLU MLP with these widths (no ReLU after the last layer)."""
     layers: list[nn.Module] = []
     for a, b in itertools.pairwise(sizes):
         layers += [nn.Linear(a, b), nn.ReLU()]
@@ -45,18 +58,13 @@ def make_model(sizes: list[int]) -> nn.Sequential:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batch", type=int, default=512)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=3, help="steps per variant per round")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--quick", action="store_true", help="tiny smoke run")
+    add_common_args(ap, rounds=12, steps=3)
     ap.add_argument("--no-peers", action="store_true", help="skip wandb / tensorboard")
     args = ap.parse_args()
+    sizes = apply_quick(args)
     torch.set_num_threads(args.threads)
+    os.environ.setdefault("TRAINTAPE_FUSED_THREADS", str(args.threads))
     torch.manual_seed(0)
-    sizes = [1024, 2048, 2048, 2048, 1024, 10]
-    if args.quick:
-        sizes, args.batch, args.rounds, args.steps = [64, 128, 10], 32, 2, 2
     model = make_model(sizes)
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
@@ -74,18 +82,11 @@ def main() -> None:
         opt.step()
         return float(loss.detach())
 
-    times: dict[str, list[float]] = {}
-
-    def timed(name: str, fn: Callable[[], object]) -> None:
-        t0 = time.perf_counter()
-        fn()
-        times.setdefault(name, []).append(time.perf_counter() - t0)
-
     tmp = tempfile.mkdtemp(prefix="tt-bench-")
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("WANDB_SILENT", "true")
     os.environ.setdefault("WANDB_DIR", tmp)
-    peers: dict[str, Callable[[int], None]] = {}
+    peers: dict[str, Callable[[Timings], None]] = {}
     if not args.no_peers:
         try:
             import wandb
@@ -93,10 +94,10 @@ def main() -> None:
             wrun = wandb.init(project="traintape-bench", mode="offline", dir=tmp)
             print(f"wandb {wandb.__version__} (offline)")
 
-            def wandb_variant(r: int) -> None:
+            def wandb_variant(t: Timings) -> None:
                 wandb.watch(model, log="all", log_freq=1)
                 for _ in range(args.steps):
-                    timed("wandb", lambda: wrun.log({"loss": step()}))
+                    t.timed("wandb", lambda: wrun.log({"loss": step()}))
                 wandb.unwatch(model)
 
             peers["wandb"] = wandb_variant
@@ -116,11 +117,7 @@ def main() -> None:
                     writer.add_histogram(n + "/grad", p.grad, gstep[0])
                 gstep[0] += 1
 
-            def tb_variant(r: int) -> None:
-                for _ in range(args.steps):
-                    timed("tensorboard", tb_step)
-
-            peers["tensorboard"] = tb_variant
+            peers["tensorboard"] = repeat("tensorboard", tb_step, args.steps)
         except ImportError:
             print("tensorboard not installed: skipped")
 
@@ -128,43 +125,41 @@ def main() -> None:
     rec = traintape.Recorder("memory://torch-bench", policy, flush_every_steps=10_000)
     rec_step = [0]
 
-    def traintape_variant(r: int) -> None:
+    def traintape_variant(t: Timings) -> None:
         with tt.watch(model, rec, optimizer=opt, start_step=rec_step[0], activations=False):
             for _ in range(args.steps):
-                timed("traintape", step)
+                t.timed("traintape", step)
                 rec_step[0] += 1
 
     def floor_sum() -> float:
-        return sum(float(t.sum()) for t in params) + sum(float(p.grad.sum()) for p in params)
+        with torch.no_grad():
+            return sum(float(t.sum()) for t in params) + sum(float(p.grad.sum()) for p in params)
 
-    def baseline_variant(r: int) -> None:
+    def baseline_variant(t: Timings) -> None:
         for _ in range(args.steps):
-            timed("baseline", step)
-            timed("floor", floor_sum)  # one memory pass over params + grads
-            timed("stats_direct", lambda: S.stat_vectors(params + [p.grad for p in params]))
+            t.timed("baseline", step)
+            t.timed("floor", floor_sum)  # one memory pass over params + grads
+            t.timed("stats_direct", lambda: S.stat_vectors(params + [p.grad for p in params]))
 
     step()  # warm-up (allocates Adam state and grads)
     S.stat_vectors(params)  # compiles/loads the fused kernel
     variants = {"baseline": baseline_variant, "traintape": traintape_variant, **peers}
-    for r in range(args.rounds):
-        for fn in variants.values():
-            fn(r)
+    t = interleave(variants, args.rounds)
     rec.close()
 
-    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    base = med["baseline"]
-    print("\nmedian ms/step:", ", ".join(f"{k} {v:.1f}" for k, v in med.items()))
-    over = med["traintape"] - base
-    print(f"floor (one sum pass over params+grads, {2 * n_params / 1e6:.1f}M elements): "
-          f"{med['floor']:.2f} ms")  # fmt: skip
-    print(f"traintape stats every step: overhead {over:.2f} ms = {over / med['floor']:.2f}x "
-          f"floor, {100 * over / base:.2f}% of step (target <= 2x, <= 5%)")  # fmt: skip
-    print(f"traintape stats call alone (params+grads): {med['stats_direct']:.2f} ms = "
-          f"{med['stats_direct'] / med['floor']:.2f}x floor, "
-          f"{100 * med['stats_direct'] / base:.2f}% of step")  # fmt: skip
+    base = t.median("baseline")
+    print_table(t, "baseline", list(variants))
+    over = t.delta("traintape", "baseline")[0]
+    floor, direct = t.median("floor"), t.median("stats_direct")
+    print(f"\nfloor (one sum pass over params+grads, {2 * n_params / 1e6:.1f}M elements, "
+          f"isolated): {floor:.2f} ms")  # fmt: skip
+    print(overhead_line("traintape stats every step, in-step", over, floor, base))
+    print(overhead_line("traintape stats call alone (params+grads)", direct, floor, base)
+          + f"; {t.ratio('stats_direct', 'floor'):.2f}x paired")  # fmt: skip
     for k in peers:
-        print(f"{k}: step {med[k] / base:.2f}x baseline ({med[k] - base:.1f} ms overhead, "
-              f"{(med[k] - base) / max(over, 1e-9):.0f}x traintape's)")  # fmt: skip
+        d = t.delta(k, "baseline")[0]
+        rel = f", {d / over:.0f}x traintape's" if over > 0 else ""
+        print(f"{k}: step {t.ratio(k, 'baseline'):.2f}x baseline ({d:.1f} ms overhead{rel})")
 
 
 if __name__ == "__main__":

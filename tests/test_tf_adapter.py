@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 import pytest
@@ -46,6 +47,17 @@ def test_stats_match_numpy_reference() -> None:
     np.testing.assert_allclose(graph.numpy(), ref, rtol=1e-5, atol=1e-6, equal_nan=True)
     dyn = tf.function(lambda x: stat_matrix([x]), input_signature=[tf.TensorSpec([None, 5])])
     np.testing.assert_allclose(dyn(tf.constant(b)).numpy()[0], ref[1], rtol=1e-6, atol=1e-6)
+    # host fused kernel: one call for several groups, eager tensors read without a copy
+    from traintape.adapters.tf.stats import host_stat_matrices
+
+    ts = [tf.constant(x) for x in arrays]
+    m1, m2, m3 = host_stat_matrices([ts[:3], [], ts[3:]])
+    assert m2.shape == (0, 9)
+    np.testing.assert_allclose(np.concatenate([m1, m3]), ref, rtol=1e-6, atol=1e-7,
+                               equal_nan=True)  # fmt: skip
+    sl = tf.IndexedSlices(tf.constant(a[:2]), tf.constant([0, 3]), tf.constant([5, 5]))
+    np.testing.assert_allclose(host_stat_matrices([[sl]])[0],
+                               stat_vectors([tf.convert_to_tensor(sl).numpy()]), rtol=1e-6)  # fmt: skip
 
 
 def _rich_model() -> keras.Model:
@@ -65,7 +77,7 @@ def test_names_layouts_and_from_canonical_round_trip() -> None:
         v.assign(np.random.default_rng(len(v.path)).normal(size=v.shape).astype(v.dtype))
     c = to_canonical(m)
     assert set(c) == {
-        "lstm/kernel_ih", "lstm/kernel_hh", "lstm/bias_ih",
+        "lstm/kernel_ih", "lstm/kernel_hh", "lstm/bias_ih", "lstm/bias_hh",
         *(f"mha/{p}/{r}" for p in "qkvo" for r in ("kernel", "bias")),
         "gru/kernel_ih", "gru/kernel_hh", "gru/bias_ih", "gru/bias_hh",
         "conv/kernel", "conv/bias", "ln/scale", "ln/bias",
@@ -79,6 +91,9 @@ def test_names_layouts_and_from_canonical_round_trip() -> None:
     np.testing.assert_array_equal(c["gru/kernel_ih"][:, :u], gru.kernel.numpy()[:, u : 2 * u])
     np.testing.assert_array_equal(c["gru/bias_hh"][u : 2 * u], gru.bias.numpy()[1, :u])
     np.testing.assert_array_equal(c["bn/running_var"], m.get_layer("bn").moving_variance.numpy())
+    # Keras's single LSTM bias = canonical bias_ih + bias_hh, recorded as (bias, zeros)
+    np.testing.assert_array_equal(c["lstm/bias_ih"], m.get_layer("lstm").cell.bias.numpy())
+    np.testing.assert_array_equal(c["lstm/bias_hh"], np.zeros(16, np.float32))
 
     m2 = _rich_model()
     from_canonical(m2, c)
@@ -88,9 +103,18 @@ def test_names_layouts_and_from_canonical_round_trip() -> None:
     x = np.random.default_rng(1).normal(size=(2, 5, 6)).astype(np.float32)
     np.testing.assert_array_equal(m(x).numpy(), m2(x).numpy())
     # PyTorch-style LSTM bias_hh is summed into the single Keras bias
-    c2 = dict(c, **{"lstm/bias_hh": np.ones(16, np.float32)})
-    from_canonical(m2, c2)
-    np.testing.assert_allclose(m2.get_layer("lstm").cell.bias.numpy(), c["lstm/bias_ih"] + 1)
+    hh = np.arange(16, dtype=np.float32)
+    from_canonical(m2, dict(c, **{"lstm/bias_hh": hh}))
+    np.testing.assert_array_equal(m2.get_layer("lstm").cell.bias.numpy(), c["lstm/bias_ih"] + hh)
+    c3 = to_canonical(m2)
+    np.testing.assert_array_equal(c3["lstm/bias_ih"], c["lstm/bias_ih"] + hh)
+    np.testing.assert_array_equal(c3["lstm/bias_hh"], np.zeros(16, np.float32))
+    # non-strict, bias_hh alone: added to the current Keras bias (it stands for bias_ih)
+    from_canonical(m2, {"lstm/bias_hh": -hh}, strict=False)
+    np.testing.assert_allclose(m2.get_layer("lstm").cell.bias.numpy(), c["lstm/bias_ih"],
+                               rtol=1e-6, atol=1e-6)  # fmt: skip
+    with pytest.raises(ValueError):
+        from_canonical(m2, dict(c, **{"lstm/bias_hh": np.zeros(4, np.float32)}))
     with pytest.raises(KeyError):
         from_canonical(m2, {"lstm/kernel_ih": c["lstm/kernel_ih"]})
     nm = {"lstm/kernel_ih": "enc/lstm/kernel_ih"}
@@ -193,6 +217,49 @@ def test_tape_without_optimizer_counts_steps_and_nan_is_not_fatal(mem_url: str) 
     assert any(e.type == "nan" and e.tensor == "w" for e in ev), ev
 
 
+def test_tape_in_function_lets_the_optimizer_update_in_place(mem_url: str) -> None:
+    """The optimizer waits for the recording, so the θ_t buffers the host callback reads
+    are released before the update: no copy-on-write of the variables."""
+    vs = [tf.Variable(np.full((64, 64), 1.0 + i, np.float32), name=f"w{i}") for i in range(3)]
+    opt = keras.optimizers.SGD(0.1)
+    # no `update`: recording it copies θ_t on purpose (θ_{t+1} − θ_t needs both)
+    rec = traintape.Recorder(mem_url, traintape.CapturePolicy(kinds=("param", "grad")))
+
+    deps: list[set[str]] = []  # per traced gradient: op types of its control inputs + theirs
+
+    def make(tape: Any) -> Any:
+        @tf.function
+        def step() -> None:
+            with tape() as t:
+                loss = tf.add_n([tf.reduce_sum(v * v) for v in vs])
+            g = t.gradient(loss, vs)
+            deps.extend({o.type for c in x.op.control_inputs for o in (c, *(i.op for i in c.inputs))}
+                        for x in g)  # fmt: skip
+            opt.apply_gradients(zip(g, vs, strict=True))
+
+        return step
+
+    def buffers() -> list[int]:
+        return [np.asarray(v.read_value()).ctypes.data for v in vs]
+
+    plain, recorded = make(tf.GradientTape), make(lambda: GradientTape(rec, optimizer=opt))
+    plain()  # trace, build the optimizer
+    before = buffers()
+    plain()
+    if buffers() != before:
+        pytest.skip("this TensorFlow does not update variables in place")
+    deps.clear()
+    recorded()  # trace
+    # the gradients handed to the optimizer exist only after the recording (its tf.cond)
+    assert len(deps) == len(vs) and all(d & {"If", "StatelessIf"} for d in deps), deps
+    before = buffers()
+    recorded()
+    assert buffers() == before
+    rec.close()
+    run = _run(mem_url)
+    assert list(run.steps) == [2, 3]  # optimizer.iterations: two plain steps came first
+
+
 class _Sub(keras.Model):
     def __init__(self) -> None:
         super().__init__(name="sub")
@@ -237,6 +304,7 @@ def test_fit_callback_same_names_for_all_model_styles() -> None:
         seen[style] = names
         assert "bn/running_mean" in names["param"] and "bn/running_mean" not in names["grad"]
         assert names["activation"] == ["bn/output", "fc1/output", "fc2/output"]
+        assert run.manifest.user["forward_order"] == ["fc1", "bn", "fc2"]  # call order
         # θ_0 is the initial weights (running stats before batch 0 included)
         for n in ("fc1/kernel", "bn/running_var", "bn/running_mean"):
             np.testing.assert_array_equal(run.snapshot(n, "param", 0), w0[n])

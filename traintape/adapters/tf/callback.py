@@ -167,6 +167,9 @@ class Callback(keras.callbacks.Callback):
             if training:
                 t = out[0] if isinstance(out, (list, tuple)) else out
                 if isinstance(t, tf.Tensor):
+                    old = stash.get(name)
+                    if old is not None and _graph_of(old[2]) is not _graph_of(t):
+                        del stash[name]  # left from another trace: re-enter in call order
                     stash[name] = (name.rpartition("/")[0], kind, t)
             return out
 
@@ -174,13 +177,17 @@ class Callback(keras.callbacks.Callback):
         self._wrapped.append(layer)
 
     def _activation_groups(self) -> list[Group]:
+        """The activation group of the train step being traced (or run eagerly).
+
+        The stash is in layer call order (outputs enter it as the layers return), so
+        the specs are declared in forward order (the recorder keeps it as
+        ``manifest.user["forward_order"]``).
+        """
         rec = self.recorder
-        eager = tf.executing_eagerly()
-        graph = None if eager else tf.compat.v1.get_default_graph()
+        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
         items = []
-        for name, (layer, kind, t) in sorted(self._stash.items()):
-            same = (not hasattr(t, "graph")) if eager else getattr(t, "graph", None) is graph
-            if same and rec.policy.selects(name):
+        for name, (layer, kind, t) in self._stash.items():
+            if _graph_of(t) is graph and rec.policy.selects(name):
                 items.append((name, layer, kind, t))
         self._stash.clear()
         if not items:
@@ -198,3 +205,8 @@ class Callback(keras.callbacks.Callback):
             return None
         names = set(self.recorder.manifest.tensor_names(Kind.ACTIVATION))
         return {n: a for n, a in snaps.items() if n in names}
+
+
+def _graph_of(t: Any) -> Any:
+    """The graph a (symbolic) tensor belongs to; None for an eager tensor."""
+    return getattr(t, "graph", None)  # EagerTensor.graph raises AttributeError

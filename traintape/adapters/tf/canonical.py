@@ -16,9 +16,9 @@ from .names import Entry, model_entries
 
 def to_canonical(model: Any, name_map: NameMap = None) -> dict[str, np.ndarray]:
     """The model's weights (trainable + BatchNorm moving statistics) as host arrays,
-    keyed by canonical name, in canonical layout (see :mod:`.names`)."""
-    return {e.name: e.transform.np(np.asarray(e.variable.numpy())) for e in model_entries(
-        model, name_map)}  # fmt: skip
+    keyed by canonical name, in canonical layout (see :mod:`.names`; an LSTM gives
+    ``bias_ih`` = its Keras bias and ``bias_hh`` = zeros)."""
+    return {e.name: e.read_np() for e in model_entries(model, name_map)}
 
 
 def from_canonical(
@@ -32,41 +32,40 @@ def from_canonical(
 
     Args:
         tensors: canonical name -> array in canonical layout (any array-like).
-        strict: require every model tensor to be given and every given name to be known.
-            An LSTM also accepts ``<lstm>/bias_hh``: it is added into the single Keras bias
-            together with ``bias_ih`` (PyTorch's two biases are only ever summed).
+        strict: require every model tensor to be given and every given name to be known;
+            with False, unknown names are ignored and missing tensors keep their values.
+
+    An LSTM's single Keras bias is loaded as ``bias_ih + bias_hh`` (PyTorch's two
+    biases, which the cell only ever sums): PyTorch weights load exactly, and the
+    ``bias_hh`` zeros of :func:`to_canonical` make a Keras round trip bit-exact. Without
+    ``bias_ih`` (``strict=False``) the current Keras bias stands for it.
+
     Raises:
         KeyError: missing/unknown names (strict); ValueError: wrong shapes.
     """
     entries = model_entries(model, name_map)
     by_name = {e.name: e for e in entries}
-    extra_hh: dict[str, Entry] = {}
-    for e in entries:
-        if e.role == "bias_ih" and e.layer_kind == "lstm":
-            extra_hh[f"{e.layer}/bias_hh" if e.layer else "bias_hh"] = e
-    unknown = sorted(set(tensors) - set(by_name) - set(extra_hh))
+    unknown = sorted(set(tensors) - set(by_name))
     missing = sorted(set(by_name) - set(tensors))
     if strict and (unknown or missing):
         raise KeyError(f"from_canonical: missing {missing}; unknown {unknown}")
+    given = [(by_name[n], np.asarray(v)) for n, v in tensors.items() if n in by_name]
+    for e, arr in given:
+        if tuple(arr.shape) != e.shape:
+            raise ValueError(
+                f"from_canonical: {e.name!r} has shape {arr.shape}, expected {e.shape}"
+            )
     bufs: dict[int, tuple[Any, np.ndarray]] = {}
-    for name, value in tensors.items():
-        e = by_name.get(name) or extra_hh.get(name)
-        if e is None:
-            continue
-        arr = np.asarray(value)
-        if name in by_name and tuple(arr.shape) != e.shape:
-            raise ValueError(f"from_canonical: {name!r} has shape {arr.shape}, expected {e.shape}")
+    # replacing writes first, then the pinned-zero entries add into their variable
+    for e, arr in sorted(given, key=lambda p: p[0].zero):
         v = e.variable
         if id(v) not in bufs:
             bufs[id(v)] = (v, np.array(v.numpy(), copy=True))
         buf = bufs[id(v)][1]
-        if name in extra_hh:
-            continue
-        e.transform.write(buf, arr.astype(buf.dtype, copy=False))
-    for name, e in extra_hh.items():  # add bias_hh after bias_ih was written
-        if name in tensors:
-            buf = bufs[id(e.variable)][1]
-            buf += np.asarray(tensors[name], dtype=buf.dtype).reshape(buf.shape)
+        if e.zero:
+            e.transform.write(buf, e.transform.np(buf) + arr.astype(buf.dtype, copy=False))
+        else:
+            e.transform.write(buf, arr.astype(buf.dtype, copy=False))
     for v, buf in bufs.values():
         v.assign(buf)
 
@@ -82,7 +81,7 @@ def entry_spec(e: Entry, kind: Kind | str) -> TensorSpec:
         dtype=tf.as_dtype(e.variable.dtype).name,
         shape=list(e.shape),
         source_name=e.source_name,
-        source_shape=list(e.source_shape),
+        source_shape=None if e.source_shape is None else list(e.source_shape),
         permutation=None,
     )
 

@@ -26,7 +26,7 @@ import tensorflow as tf
 from traintape.core.recorder import Recorder
 from traintape.schema import Kind
 
-from .stats import host_stat_matrix, host_stats_enabled, stat_matrix
+from .stats import host_stat_matrices, host_stats_enabled, stat_matrix
 
 _log = logging.getLogger("traintape")
 TensorsFn = Callable[[], Sequence[Any]]
@@ -48,12 +48,6 @@ def _active(rec: Recorder, groups: Sequence[Group]) -> list[Group]:
     return [g for g in groups if g.names and rec.policy.records_kind(g.kind)]
 
 
-def _fused_matrix(arrays: Sequence[np.ndarray]) -> np.ndarray:
-    from traintape.core.fused import fused_stat_vectors
-
-    return fused_stat_vectors(arrays)
-
-
 def _host(
     rec: Recorder, groups: Sequence[Group], snap: list[bool], on_host: bool = False
 ) -> Callable:
@@ -73,17 +67,18 @@ def _host(
         s = int(step)
         n = len(groups)
         if on_host:  # full tensors came over: stats on the host with the fused kernel
-            k = 0
-            for g, sn in zip(groups, snap, strict=True):
-                m = len(g.names)
-                part = arrays[k : k + m]
-                k += m
+            parts, k = [], 0
+            for g in groups:
+                parts.append(arrays[k : k + len(g.names)])
+                k += len(g.names)
+            mats = host_stat_matrices(parts)  # one kernel call for the whole step
+            for g, sn, part, st in zip(groups, snap, parts, mats, strict=True):
                 snaps = None
                 if sn and rec.policy.snapshots(s, g.kind):
                     snaps = {x: np.array(a, copy=True) for x, a in zip(g.names, part, strict=True)}
                 elif g.host_snapshots is not None and rec.policy.snapshots(s, g.kind):
                     snaps = g.host_snapshots(s)
-                rec.record_stats(s, g.kind, _fused_matrix(part), names=g.names, snapshots=snaps)
+                rec.record_stats(s, g.kind, st, names=g.names, snapshots=snaps)
             return
         stats, rest = arrays[:n], list(arrays[n:])
         for g, st, sn in zip(groups, stats, snap, strict=True):
@@ -111,13 +106,17 @@ def emit(rec: Recorder, step: Any, groups: Sequence[Group]) -> Any:
 
 
 def _emit_eager(rec: Recorder, step: int, groups: Sequence[Group]) -> None:
-    for g in groups:
-        if not rec.wants(step, g.kind):
-            continue
-        ts = list(g.fn())
-        stats = host_stat_matrix(ts) if host_stats_enabled() else stat_matrix(ts).numpy()
+    groups = [g for g in groups if rec.wants(step, g.kind)]
+    tensors = [list(g.fn()) for g in groups]
+    if host_stats_enabled():
+        mats = host_stat_matrices(tensors)  # one fused kernel call for the whole step
+    else:
+        mats = [stat_matrix(ts).numpy() for ts in tensors]
+    for g, ts, stats in zip(groups, tensors, mats, strict=True):
         snaps = None
         if g.snapshot and rec.policy.snapshots(step, g.kind):
+            # views of immutable eager tensors: a variable's later in-place update
+            # copies on write while a view holds its buffer
             snaps = {
                 n: np.asarray(tf.convert_to_tensor(t)) for n, t in zip(g.names, ts, strict=True)
             }

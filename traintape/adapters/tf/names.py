@@ -22,11 +22,9 @@ Layer/Group/RMS norm   ``gamma`` → ``scale``, ``beta`` → ``bias``
 BatchNormalization     + ``moving_mean`` → ``running_mean``,
                        ``moving_variance`` → ``running_var``
 LSTM                   ``kernel`` → ``kernel_ih`` (in, 4h), ``recurrent_kernel`` →
-                       ``kernel_hh`` (h, 4h), ``bias`` → ``bias_ih`` (4h,). Keras gate
-                       order i, f, c, o is canonical i, f, g, o. Keras has one bias;
-                       it is recorded as ``bias_ih`` and no ``bias_hh`` exists (no
-                       invented zeros). ``from_canonical`` also accepts a ``bias_hh``
-                       and adds it into the Keras bias (how PyTorch weights load).
+                       ``kernel_hh`` (h, 4h), ``bias`` → ``bias_ih`` (4h,), plus
+                       ``bias_hh`` (4h,) (see below). Keras gate order i, f, c, o is
+                       canonical i, f, g, o.
 GRU (reset_after=True) ``kernel`` → ``kernel_ih``, ``recurrent_kernel`` → ``kernel_hh``,
                        ``bias[0]`` → ``bias_ih``, ``bias[1]`` → ``bias_hh``; gate blocks
                        permuted from Keras z, r, h to canonical r, z, n along the last
@@ -43,6 +41,19 @@ MultiHeadAttention     sub-layers ``q``, ``k``, ``v``, ``o`` (from ``query``, ``
 Block permutations and reshapes are not axis transposes, so specs carry
 ``permutation=None`` and the transform is documented here; ``source_name`` is the
 Keras ``variable.path`` (with ``[0]``/``[1]`` for the rows of the GRU bias).
+
+LSTM biases: the canonical LSTM has PyTorch's two biases ``bias_ih`` and ``bias_hh``
+(schema roles; the torch adapter records both), which the cell only ever uses summed.
+A Keras LSTM has one ``bias`` = ``bias_ih + bias_hh``, so it is recorded as a Keras
+LSTM *is*: ``bias_ih`` = the Keras bias, ``bias_hh`` = a parameter pinned at zero —
+``param`` zeros, ``grad`` = the gradient of the Keras bias (∂L/∂b_hh = ∂L/∂b_ih, exactly
+as PyTorch reports it), ``update`` zeros (the optimizer moves only the Keras bias). The
+tensor set, shapes, θ_0 and ∇L(θ_0) therefore equal those of a PyTorch LSTM loaded from
+the same canonical weights with a zero ``bias_hh``. ``bias_hh`` has no Keras variable of
+its own (``source_name`` names the Keras bias with a ``+0`` mark, ``source_shape`` is
+None). :func:`~traintape.adapters.tf.canonical.from_canonical` loads
+``bias = bias_ih + bias_hh``, so PyTorch weights (any ``bias_hh``) load exactly and a
+Keras round trip is bit-exact.
 """
 
 from __future__ import annotations
@@ -123,15 +134,31 @@ class Entry:
     source_name: str
     transform: Transform = field(default_factory=Transform)
     trainable: bool = True
-    add_into: bool = False  # from_canonical: add (not replace) — LSTM bias_hh only
+    zero: bool = False
+    """A parameter pinned at zero that the Keras variable absorbs (LSTM ``bias_hh``):
+    its value reads as zeros, its gradient is the variable's gradient, and
+    ``from_canonical`` adds it into the variable instead of replacing it."""
 
     @property
-    def source_shape(self) -> tuple[int, ...]:
+    def source_shape(self) -> tuple[int, ...] | None:
+        """Shape of the backing Keras variable (None for a ``zero`` entry)."""
+        if self.zero:
+            return None
         return tuple(int(d) for d in self.variable.shape)
 
     def read(self) -> tf.Tensor:
         """The canonical value as a TF tensor (in-graph safe)."""
-        return self.transform.tf(tf.convert_to_tensor(self.variable))
+        x = self.transform.tf(tf.convert_to_tensor(self.variable))
+        return tf.zeros_like(x) if self.zero else x
+
+    def read_np(self) -> np.ndarray:
+        """The canonical value as a host array (eager only)."""
+        x = self.transform.np(np.asarray(self.variable.numpy()))
+        return np.zeros_like(x) if self.zero else x
+
+    def grad(self, g: Any) -> tf.Tensor:
+        """The canonical gradient from the gradient ``g`` of the backing variable."""
+        return self.transform.tf(tf.convert_to_tensor(g))
 
 
 def _gate_cols(units: int, order: Sequence[int]) -> tuple[int, ...]:
@@ -236,8 +263,10 @@ def _entries_for_layer(layer: Any, path: list[str], name_map: NameMap) -> list[E
         c = layer.cell
         out = [make(path, R.KERNEL_IH, c.kernel, R.LSTM),
                make(path, R.KERNEL_HH, c.recurrent_kernel, R.LSTM)]  # fmt: skip
-        if c.use_bias:
-            out.append(make(path, R.BIAS_IH, c.bias, R.LSTM))
+        if c.use_bias:  # bias_ih = the Keras bias, bias_hh pinned at zero (module doc)
+            out += [make(path, R.BIAS_IH, c.bias, R.LSTM),
+                    make(path, R.BIAS_HH, c.bias, R.LSTM, source_name=f"{c.bias.path}+0",
+                         zero=True)]  # fmt: skip
         return out
     if isinstance(layer, keras.layers.GRU):
         c = layer.cell

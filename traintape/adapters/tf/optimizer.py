@@ -104,8 +104,7 @@ class _Observer:
             groups.append(Group(Kind.PARAM, names + [e.name for e, _ in state],
                                 lambda: _dense(before) + [sh.read_value() for _, sh in state]))  # fmt: skip
         if Kind.GRAD in self.kinds:
-            groups.append(Group(Kind.GRAD, names, lambda: [e.transform.tf(
-                tf.convert_to_tensor(g)) for e, g in pairs]))  # fmt: skip
+            groups.append(Group(Kind.GRAD, names, lambda: [e.grad(g) for e, g in pairs]))
         if Kind.UPDATE in self.kinds:
             groups.append(Group(Kind.UPDATE, names, lambda: [
                 e.read() - b for e, b in zip(ents, _dense(before), strict=True)]))  # fmt: skip

@@ -163,14 +163,35 @@ def host_stats_enabled() -> bool:
 _HOST: bool | None = None
 
 
+def _host_array(t: Any) -> np.ndarray:
+    """A host numpy view of ``t`` (no copy for a CPU eager tensor or a numpy array).
+
+    ``EagerTensor.numpy()`` copies (a whole extra memory pass over every tensor);
+    ``np.asarray`` wraps the tensor's buffer, which is immutable while referenced.
+    """
+    if isinstance(t, tf.IndexedSlices):
+        t = tf.convert_to_tensor(t)
+    return np.asarray(t)
+
+
+def host_stat_matrices(groups: Sequence[Sequence[Any]]) -> list[np.ndarray]:
+    """Stat vectors of several groups of tensors via the host fused kernel, in **one**
+    kernel call (one OpenMP region over every tensor of the step): one ``[len(g), 9]``
+    float64 matrix per group. Tensors are CPU eager tensors or numpy arrays (as
+    ``tf.numpy_function`` passes them, already zero-copy views); IndexedSlices are
+    densified, float16/bfloat16 converted to float32 by the kernel's preparation."""
+    from traintape.core.fused import finalize_raw, fused_raw
+
+    arrays = [_host_array(t) for g in groups for t in g]
+    stats = finalize_raw(fused_raw(arrays)) if arrays else np.zeros((0, N_STATS))
+    out, k = [], 0
+    for g in groups:
+        out.append(stats[k : k + len(g)])
+        k += len(g)
+    return out
+
+
 def host_stat_matrix(tensors: Sequence[Any]) -> np.ndarray:
     """Stat vectors ``[n, 9]`` float64 of eager tensors via the host fused kernel
-    (IndexedSlices densified; float16/bfloat16 converted to float32)."""
-    from traintape.core.fused import fused_stat_vectors
-
-    arrays = []
-    for t in tensors:
-        if isinstance(t, tf.IndexedSlices):
-            t = tf.convert_to_tensor(t)
-        arrays.append(np.asarray(t.numpy() if hasattr(t, "numpy") else t))
-    return fused_stat_vectors(arrays)
+    (see :func:`host_stat_matrices`)."""
+    return host_stat_matrices([tensors])[0]

@@ -9,6 +9,12 @@ is recorded when it applies the gradients, and the step is ``optimizer.iteration
 
 Step: ``step=`` (int or scalar tensor) if given, else ``optimizer.iterations``, else a
 counter kept per recorder (a ``tf.Variable``) that advances by one per ``gradient`` call.
+
+Inside ``tf.function`` the returned gradients are ``tf.identity`` of TF's (same values,
+same structure, ``None`` kept) with a control dependency on the recording, so whatever
+applies them runs after θ_t and the gradients were read: the optimizer then updates the
+variables in place instead of copying each one (copy-on-write) because the recording
+still holds its buffer.
 """
 
 from __future__ import annotations
@@ -83,13 +89,16 @@ class GradientTape(tf.GradientTape):
         grads = super().gradient(target, sources, output_gradients=output_gradients,
                                  unconnected_gradients=unconnected_gradients)  # fmt: skip
         try:
-            self._record(sources, grads)
+            done = self._record(sources, grads)
         except Exception:
             if self._tt_rec.strict:
                 raise
             import logging
 
             logging.getLogger("traintape").exception("traintape.tf: recording failed")
+            done = None
+        if done is not None:
+            grads = _after(done, grads)
         return grads
 
     def _step(self) -> Any:
@@ -108,7 +117,8 @@ class GradientTape(tf.GradientTape):
             c.assign_add(1)
         return s
 
-    def _record(self, sources: Any, grads: Any) -> None:
+    def _record(self, sources: Any, grads: Any) -> Any:
+        """Emit ``param`` and ``grad``; in a graph, return the emission's output tensor."""
         from .names import variable_entries
 
         rec = self._tt_rec
@@ -119,13 +129,36 @@ class GradientTape(tf.GradientTape):
                  if g is not None and rec.policy.selects(e.name)]  # fmt: skip
         step = self._step()
         if not pairs:
-            return
+            return None
         ents = [e for e, _ in pairs]
         declare(rec, Kind.PARAM, ents)
         declare(rec, Kind.GRAD, ents)
         names = [e.name for e in ents]
-        emit(rec, step, [
+        return emit(rec, step, [
             Group(Kind.PARAM, names, lambda: [e.read() for e in ents]),
-            Group(Kind.GRAD, names, lambda: [e.transform.tf(tf.convert_to_tensor(g))
-                                             for e, g in pairs]),
+            Group(Kind.GRAD, names, lambda: [e.grad(g) for e, g in pairs]),
         ])  # fmt: skip
+
+
+def _after(done: Any, grads: Any) -> Any:
+    """``grads`` (same values, same structure) that exist only once ``done`` has run.
+
+    Inside ``tf.function`` the emission reads θ_t straight from the variables' buffers
+    (no copy) and TF's automatic control dependencies do not order a
+    ``tf.numpy_function`` before the optimizer's assignments. An optimizer applying
+    these gradients therefore waits for the recording; otherwise it would update the
+    variables while the buffers are still referenced, and every variable would be
+    copied (copy-on-write: one more memory pass over all parameters per step).
+    """
+    if tf.executing_eagerly() or not isinstance(done, (tf.Tensor, tf.Operation)):
+        return grads
+
+    def dep(g: Any) -> Any:
+        if g is None:
+            return None
+        if isinstance(g, tf.IndexedSlices):
+            return tf.IndexedSlices(tf.identity(g.values), tf.identity(g.indices), g.dense_shape)
+        return tf.identity(g)
+
+    with tf.control_dependencies([done]):
+        return tf.nest.map_structure(dep, grads)
