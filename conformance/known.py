@@ -34,4 +34,3 @@ def known_gap(dtype: str, model: str, a: str, b: str) -> str | None:
         if (ina != inb) or (g.within and ina and inb):
             return g.reason
     return None
-
