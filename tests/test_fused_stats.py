@@ -67,7 +67,10 @@ def test_large_and_many_arrays_any_thread_count_same_result():
     one = fused.fused_raw(xs, nthreads=1)
     two = fused.fused_raw(xs, nthreads=2)
     np.testing.assert_array_equal(one, two)  # fixed block order: deterministic
-    np.testing.assert_allclose(fused.finalize_raw(one), stat_vectors_numpy(xs), rtol=1e-6)
+    # float32 data: agreement to the data's precision (means near 0 compared absolutely)
+    np.testing.assert_allclose(
+        fused.finalize_raw(one), stat_vectors_numpy(xs), rtol=1e-6, atol=1e-7
+    )
 
 
 def test_other_dtypes_and_strided_views_are_converted():

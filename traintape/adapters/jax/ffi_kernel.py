@@ -87,6 +87,11 @@ def raw_rows(arrays: Sequence[jax.Array]) -> jax.Array:
     """
     if not arrays:
         return jnp.zeros((0, 2 * fused.RAW), jnp.uint32)
+    if not available():
+        raise RuntimeError(
+            "traintape's JAX FFI stat kernel is unavailable (no C compiler, jaxlib's FFI "
+            "header missing, or TRAINTAPE_NO_FUSED set); use stats.stat_matrix instead"
+        )
     out = jax.ShapeDtypeStruct((len(arrays), 2 * fused.RAW), jnp.uint32)
     call = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")
     return call(*[_operand(a) for a in arrays])
