@@ -47,7 +47,8 @@ def test_round_trip_stats_snapshots_metrics(run_dir):
     assert row["mean"] == 7.0 and row["std"] == 0.0
     got = df[(df.step == 4) & (df.tensor == "head/embedding")].iloc[0]
     want = tt.core.stat_vector(written[4]["head/embedding"])
-    np.testing.assert_allclose(got[list(tt.STAT_NAMES)].to_numpy(float), want)
+    # float32 data: the fused kernel agrees with the float64 reference to the data's precision
+    np.testing.assert_allclose(got[list(tt.STAT_NAMES)].to_numpy(float), want, rtol=1e-6, atol=1e-7)
     assert run.snapshot_steps("head/embedding", "param").tolist() == [0, 3, 6, 9]
     np.testing.assert_array_equal(
         run.snapshot("enc/layers/1/dense/kernel", "param", 6),
