@@ -234,8 +234,8 @@ class Recorder:
                     and in_forward_order
                     and "forward_order" not in self._manifest.user
                 ):
-                    layers = [s.name.rsplit("/", 1)[0] for s in ks]
-                    self._manifest.user["forward_order"] = list(dict.fromkeys(layers))
+                    layers = dict.fromkeys(s.layer for s in ks)
+                    self._manifest.user["forward_order"] = list(layers)
                 ordered = self._harmonise_layer_kinds(sorted(ks, key=lambda s: s.name))
                 self._manifest.tensors = sorted(
                     [*self._manifest.tensors, *ordered],

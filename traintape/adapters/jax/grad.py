@@ -102,13 +102,12 @@ def _record(
             Leaf(n, sink.items[n][2], i, tuple(acts[n].shape), acts[n].dtype)
             for i, n in enumerate(names)
         ]
-        kinds = {n.rsplit("/", 1)[0] if "/" in n else "": sink.items[n][1] for n in names}
         groups.append(
             Group(
                 Kind.ACTIVATION,
                 a_leaves,
                 [acts[n] for n in names],
-                {**layer_kinds, **kinds},
+                layer_kinds,
                 snapshots=probe if probe is not None else False,
                 in_forward_order=acts_in_forward_order,
             )
