@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import io
 import itertools
+import resource
 import statistics
 import tempfile
 import time
@@ -122,11 +123,13 @@ def main() -> None:
     }
     state = {k: [params0, v[1]] for k, v in variants.items()}
     times: dict[str, list[float]] = {k: [] for k in variants}
+    faults: dict[str, list[int]] = {k: [] for k in variants}  # minor page faults per step
 
     def run(name: str, n: int, record: bool) -> None:
         step, _ = variants[name]
         p, o = state[name]
         for _ in range(n):
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
             p, o, loss, s, g = step(p, o, x, y)
             if name == "naive":
@@ -137,6 +140,7 @@ def main() -> None:
             jax.block_until_ready((p, loss, s))
             if record:
                 times[name].append(time.perf_counter() - t0)
+                faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
         state[name] = [p, o]
 
     for name in variants:  # compile + warm up
@@ -174,9 +178,9 @@ def main() -> None:
     mean_full = statistics.mean(times["full100"]) * 1e3
     base = med["baseline"]
     floor = med["floor"] - base
-    print(f"{'variant':10s} {'median ms':>10s} {'vs baseline':>12s}")
+    print(f"{'variant':10s} {'median ms':>10s} {'vs baseline':>12s} {'page faults/step':>17s}")
     for k, v in med.items():
-        print(f"{k:10s} {v:10.2f} {v / base:12.3f}x")
+        print(f"{k:10s} {v:10.2f} {v / base:12.3f}x {statistics.median(faults[k]):17.0f}")
     stats_over = med["stats"] - base
     print(f"floor (one sum pass over params+grads+updates): {floor:.2f} ms")
     ratio = f"{stats_over / floor:.2f}x floor" if floor > 0 else "floor below noise"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,3 +67,41 @@ def test_stats_mode_env(monkeypatch) -> None:
     monkeypatch.setenv("TRAINTAPE_JAX_STATS", "gpu-please")
     with pytest.raises(ValueError, match="TRAINTAPE_JAX_STATS"):
         stats_mode()
+
+
+def test_ffi_kernel_async_on_xla_pool_keeps_operands_until_done() -> None:
+    """Large operand sets run asynchronously on XLA's thread pool (an FFI future): the
+    rows must describe the operands as they were, even when the computation overwrites
+    a donated operand in place right after, repeatedly and inside ``lax.scan``."""
+    from traintape.adapters.jax import ffi_kernel
+
+    if not ffi_kernel.available():
+        pytest.skip("no C compiler / FFI header: the XLA path is used instead")
+    rng = np.random.default_rng(3)
+    p0 = rng.normal(size=(1024, 1024)).astype(np.float32)  # 32 blocks of 32768
+    q = rng.normal(size=(700, 999)).astype(np.float32)
+    q[123, 456] = np.inf
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(p, q):
+        rows = ffi_kernel.raw_rows([p, q, p * 2.0])
+        return p + 1.0, rows
+
+    p = jnp.asarray(p0)
+    qd = jnp.asarray(q)
+    for i in range(6):
+        p, rows = step(p, qd)
+        ref = p0 + np.float32(i)
+        want = stat_vectors([ref, q, ref * np.float32(2.0)])
+        np.testing.assert_allclose(
+            ffi_kernel.decode(np.asarray(rows)), want, rtol=1e-6, atol=1e-6, equal_nan=True
+        )
+
+    def body(p, _):
+        rows = ffi_kernel.raw_rows([p])
+        return p * 0.5, rows
+
+    _, rows = jax.jit(lambda p: jax.lax.scan(body, p, length=4))(jnp.asarray(p0))
+    got = ffi_kernel.decode(np.asarray(rows).reshape(4, -1))
+    want = stat_vectors([p0 * np.float32(0.5**i) for i in range(4)])
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

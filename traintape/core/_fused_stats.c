@@ -272,49 +272,82 @@ int tt_has_openmp(void) {
 #endif
 }
 
-/* Raw rows of n buffers.
- *   ptrs[i]: data pointer, lens[i]: element count, dtypes[i]: 0 = float32, 1 = float64
- *   out: [n, RAW] doubles, nthreads <= 0: OpenMP default.
- * Returns 0 on success, -1 if out of memory. */
-int tt_raw_stats(int64_t n, const uintptr_t *ptrs, const int64_t *lens, const int32_t *dtypes,
-                 double *out, int nthreads) {
-    int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(n + 1));
-    if (!first) return -1;
-    first[0] = 0;
-    for (int64_t i = 0; i < n; i++) {
-        int64_t nb = (lens[i] + BLOCK - 1) / BLOCK;
-        first[i + 1] = first[i] + nb;
+/* A plan: n buffers cut into global blocks, each reduced into its own part; blocks can be
+ * run in any order, on any thread (tt_plan_run), then merged in a fixed order
+ * (tt_plan_finish). Used by tt_raw_stats below (OpenMP) and by the JAX FFI handler
+ * (XLA's own thread pool). The plan copies the buffer table, not the data. */
+typedef struct tt_plan {
+    int64_t n, total;
+    uintptr_t *ptrs;
+    int64_t *lens, *first, *owner;
+    int32_t *dtypes;
+    part_t *parts;
+} tt_plan;
+
+void tt_plan_free(tt_plan *p) {
+    if (!p) return;
+    free(p->ptrs); free(p->lens); free(p->first); free(p->owner); free(p->dtypes);
+    free(p->parts);
+    free(p);
+}
+
+/* NULL if out of memory. */
+tt_plan *tt_plan_new(int64_t n, const uintptr_t *ptrs, const int64_t *lens,
+                     const int32_t *dtypes) {
+    tt_plan *p = (tt_plan *)calloc(1, sizeof(tt_plan));
+    if (!p) return NULL;
+    size_t cap = (size_t)(n > 0 ? n : 1);
+    p->n = n;
+    p->ptrs = (uintptr_t *)malloc(sizeof(uintptr_t) * cap);
+    p->lens = (int64_t *)malloc(sizeof(int64_t) * cap);
+    p->dtypes = (int32_t *)malloc(sizeof(int32_t) * cap);
+    p->first = (int64_t *)malloc(sizeof(int64_t) * (cap + 1));
+    if (!p->ptrs || !p->lens || !p->dtypes || !p->first) {
+        tt_plan_free(p);
+        return NULL;
     }
-    int64_t total = first[n];
-    part_t *parts = (part_t *)malloc(sizeof(part_t) * (size_t)(total > 0 ? total : 1));
-    int64_t *owner = (int64_t *)malloc(sizeof(int64_t) * (size_t)(total > 0 ? total : 1));
-    if (!parts || !owner) {
-        free(first); free(parts); free(owner);
-        return -1;
+    if (n > 0) {
+        memcpy(p->ptrs, ptrs, sizeof(uintptr_t) * (size_t)n);
+        memcpy(p->lens, lens, sizeof(int64_t) * (size_t)n);
+        memcpy(p->dtypes, dtypes, sizeof(int32_t) * (size_t)n);
+    }
+    p->first[0] = 0;
+    for (int64_t i = 0; i < n; i++) p->first[i + 1] = p->first[i] + (lens[i] + BLOCK - 1) / BLOCK;
+    p->total = p->first[n];
+    size_t tb = (size_t)(p->total > 0 ? p->total : 1);
+    p->parts = (part_t *)malloc(sizeof(part_t) * tb);
+    p->owner = (int64_t *)malloc(sizeof(int64_t) * tb);
+    if (!p->parts || !p->owner) {
+        tt_plan_free(p);
+        return NULL;
     }
     for (int64_t i = 0; i < n; i++)
-        for (int64_t b = first[i]; b < first[i + 1]; b++) owner[b] = i;
+        for (int64_t b = p->first[i]; b < p->first[i + 1]; b++) p->owner[b] = i;
+    return p;
+}
 
-#ifdef _OPENMP
-    if (nthreads <= 0) nthreads = omp_get_max_threads();
-#endif
-    (void)nthreads;
-#pragma omp parallel for schedule(dynamic, 4) num_threads(nthreads) if (total > 8)
-    for (int64_t b = 0; b < total; b++) {
-        int64_t i = owner[b];
-        int64_t start = (b - first[i]) * (int64_t)BLOCK;
-        int64_t len = lens[i] - start < BLOCK ? lens[i] - start : BLOCK;
-        if (dtypes[i] == 1)
-            block_f64((const double *)ptrs[i] + start, len, &parts[b]);
+int64_t tt_plan_blocks(const tt_plan *p) { return p->total; }
+
+/* Reduce global blocks [b0, b1) into their parts. */
+void tt_plan_run(tt_plan *p, int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; b++) {
+        int64_t i = p->owner[b];
+        int64_t start = (b - p->first[i]) * (int64_t)BLOCK;
+        int64_t len = p->lens[i] - start < BLOCK ? p->lens[i] - start : BLOCK;
+        if (p->dtypes[i] == 1)
+            block_f64((const double *)p->ptrs[i] + start, len, &p->parts[b]);
         else
-            block_f32((const float *)ptrs[i] + start, len, &parts[b]);
+            block_f32((const float *)p->ptrs[i] + start, len, &p->parts[b]);
     }
+}
 
-    for (int64_t i = 0; i < n; i++) {
+/* Merge every buffer's parts (in block order) into out: [n, RAW] doubles. */
+void tt_plan_finish(const tt_plan *p, double *out) {
+    for (int64_t i = 0; i < p->n; i++) {
         part_t acc = {0, 0, 0, INFINITY, -INFINITY, 0, 0, 0, 0};
-        for (int64_t b = first[i]; b < first[i + 1]; b++) merge(&acc, &parts[b]);
+        for (int64_t b = p->first[i]; b < p->first[i + 1]; b++) merge(&acc, &p->parts[b]);
         double *r = out + i * RAW;
-        r[NUMEL] = (double)lens[i];
+        r[NUMEL] = (double)p->lens[i];
         r[NFIN] = acc.n;
         r[SUM] = acc.sum;
         r[M2] = acc.m2;
@@ -325,6 +358,24 @@ int tt_raw_stats(int64_t n, const uintptr_t *ptrs, const int64_t *lens, const in
         r[ZEROS] = acc.zeros;
         r[NANS] = acc.nans;
     }
-    free(first); free(parts); free(owner);
+}
+
+/* Raw rows of n buffers.
+ *   ptrs[i]: data pointer, lens[i]: element count, dtypes[i]: 0 = float32, 1 = float64
+ *   out: [n, RAW] doubles, nthreads <= 0: OpenMP default.
+ * Returns 0 on success, -1 if out of memory. */
+int tt_raw_stats(int64_t n, const uintptr_t *ptrs, const int64_t *lens, const int32_t *dtypes,
+                 double *out, int nthreads) {
+    tt_plan *p = tt_plan_new(n, ptrs, lens, dtypes);
+    if (!p) return -1;
+    int64_t total = p->total;
+#ifdef _OPENMP
+    if (nthreads <= 0) nthreads = omp_get_max_threads();
+#endif
+    (void)nthreads;
+#pragma omp parallel for schedule(dynamic, 4) num_threads(nthreads) if (total > 8)
+    for (int64_t b = 0; b < total; b++) tt_plan_run(p, b, b + 1);
+    tt_plan_finish(p, out);
+    tt_plan_free(p);
     return 0;
 }

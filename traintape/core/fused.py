@@ -57,8 +57,8 @@ RAW: Final[int] = len(RAW_NAMES)
 (NUMEL, NFIN, SUM, M2, MIN, MAX, SUMSQ, ABS, ZEROS, NAN) = range(RAW)
 
 SOURCE: Final[Path] = Path(__file__).with_name("_fused_stats.c")
-_FLAGS_OMP = ["-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp"]
-_FLAGS_PLAIN = ["-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp-simd"]
+FLAGS_OMP = ["-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp"]
+FLAGS_PLAIN = ["-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp-simd"]
 _DTYPES = {np.dtype(np.float32): 0, np.dtype(np.float64): 1}
 
 _lock = threading.Lock()
@@ -126,10 +126,10 @@ def build_shared_object(
 def build_with_openmp(prefix: str, sources: Sequence[Path], **kw: Any) -> Path:
     """:func:`build_shared_object` with OpenMP, retried without it if that fails."""
     try:
-        return build_shared_object(prefix, sources, _FLAGS_OMP, **kw)
+        return build_shared_object(prefix, sources, FLAGS_OMP, **kw)
     except RuntimeError as e:
         _log.debug("traintape: building %s with OpenMP failed (%s); retrying", prefix, e)
-        return build_shared_object(prefix, sources, _FLAGS_PLAIN, **kw)
+        return build_shared_object(prefix, sources, FLAGS_PLAIN, **kw)
 
 
 def _load() -> ctypes.CDLL | None:

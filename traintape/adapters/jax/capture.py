@@ -4,8 +4,9 @@ Every record point (``value_and_grad``, ``watch``) calls :func:`emit` at trace t
 with groups of (kind, named leaves). :func:`emit` declares the tensor specs, computes the
 stat matrix inside the compiled computation (:func:`.stats.device_stats`), and inserts an *ordered*
 ``io_callback`` carrying only that matrix (and the step). On full-capture steps, chosen
-on the device with ``lax.cond`` when the step is known there, the callback also carries
-the full tensors; on other steps no tensor leaves the device.
+on the device with ``lax.cond`` when the step is known there, the full tensors go to the
+host too, one leaf per callback (see :func:`_ship_snapshots`) ahead of the stats; on other
+steps no tensor leaves the device.
 
 Ordered callbacks arrive in program order, also across ``jax.lax.scan``/``fori_loop``
 iterations and with several devices (ordered ``io_callback`` is supported there, unlike
@@ -19,6 +20,7 @@ step's callback has fired (see :func:`pump_for`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import threading
 import warnings
@@ -183,32 +185,21 @@ def emit(
     kinds = [g.kind for g in groups]
     names = [tuple(lf.name for lf in g.leaves) for g in groups]
     pump = pump_for(recorder)
-
-    def host(step_v: Any, stats_v: Any, *full: Any) -> None:
-        s = counter.next() if step_v is None else int(step_v)
-        st = decode(np.asarray(stats_v))
-        snaps = [np.array(a, copy=True) for a in full] if full else None
-        pump.put(lambda: _apply(recorder, s, kinds, names, sizes, st, snaps, snap_groups))
-
     snap_groups = [
         i
         for i, g in enumerate(groups)
         if g.snapshots and policy.full_every and g.kind in policy.snapshot_kinds
     ]
+    n_snaps = sum(sizes[i] for i in snap_groups)
+    pending = _Snapshots(n_snaps)
 
-    def snap_arrays_fn() -> list[jax.Array]:
-        out: list[jax.Array] = []
-        for i in snap_groups:
-            g = groups[i]
-            if callable(g.snapshots):
-                by_name = g.snapshots()
-                out.extend(by_name[lf.name] for lf in g.leaves)
-            else:
-                out.extend(arrays[i])
-        return out
+    def host(step_v: Any, stats_v: Any, shipped: Any = None) -> None:
+        s = counter.next() if step_v is None else int(step_v)
+        st = decode(np.asarray(stats_v))
+        snaps = pending.take(s, shipped) if shipped is not None else None
+        pump.put(lambda: _apply(recorder, s, kinds, names, sizes, st, snaps, snap_groups))
 
-    snap_arrays = bool(snap_groups)
-    if snap_arrays and step is None:
+    if snap_groups and step is None:
         if counter is None:
             raise ValueError("emit: automatic step numbering needs a counter")
         step = fetch_step(counter)
@@ -216,15 +207,87 @@ def emit(
         io_callback(lambda st: host(None, st), None, stats, ordered=True)
         return
     step_a = jnp.asarray(step, jnp.int32)
-    if not snap_arrays:
+    if not snap_groups:
         io_callback(host, None, step_a, stats, ordered=True)
         return
     full_every = int(policy.full_every or 1)
-    jax.lax.cond(
-        step_a % full_every == 0,
-        lambda: io_callback(host, None, step_a, stats, *snap_arrays_fn(), ordered=True),
-        lambda: io_callback(host, None, step_a, stats, ordered=True),
-    )
+    shipped = _ship_snapshots(step_a, full_every, groups, snap_groups, arrays, pending)
+    io_callback(host, None, step_a, stats, shipped, ordered=True)
+
+
+class _Snapshots:
+    """Host side of full capture: whole tensors of one record point, shipped one leaf per
+    callback (:func:`_ship_snapshots`), collected by step until that step's stats
+    callback (ordered after them) takes them."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self._by_step: dict[int, dict[int, np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    def put(self, j: int, step_v: Any, a: Any) -> np.int32:
+        # copy: the callback's buffer is only valid during the callback
+        with self._lock:
+            self._by_step.setdefault(int(step_v), {})[j] = np.array(a, copy=True)
+        return np.int32(1)
+
+    def take(self, step: int, shipped: Any) -> list[np.ndarray] | None:
+        """The step's tensors, if it shipped any (``shipped``: the flags from
+        :func:`_ship_snapshots`)."""
+        with self._lock:
+            got = self._by_step.pop(step, {})
+        if not np.any(shipped):
+            return None
+        if len(got) != self.n:
+            raise RuntimeError(
+                f"traintape.jax: step {step}: {len(got)} of {self.n} full tensors arrived"
+            )
+        return [got[j] for j in range(self.n)]
+
+
+def _ship_snapshots(
+    step: jax.Array,
+    full_every: int,
+    groups: Sequence[Group],
+    snap_groups: Sequence[int],
+    arrays: Sequence[Sequence[jax.Array]],
+    pending: _Snapshots,
+) -> jax.Array:
+    """On full-capture steps (``step % full_every == 0``, decided on the device) send the
+    snapshot tensors to ``pending``, one callback per leaf under its own ``lax.cond``.
+
+    Returns an int32 vector (1 per leaf shipped) that the step's stats callback takes as
+    an operand: that data dependency, not an effect token, puts every leaf's callback
+    before the stats callback. Ordered callbacks (one token chain) or one cond over all
+    leaves would keep every leaf alive until the last exists (every update until the
+    optimizer has made all of them): a larger temp allocation, fresh pages and ~10k page
+    faults per step on the benchmark's 11M-param MLP (``benchmarks/jax_overhead.py``).
+    A group whose snapshots come from a function (the probe batch's activations) runs it
+    inside one cond, on full-capture steps only."""
+    full = step % full_every == 0
+    flags: list[jax.Array] = []
+    out = jax.ShapeDtypeStruct((), jnp.int32)
+
+    def send(k: int, a: jax.Array) -> jax.Array:
+        return io_callback(functools.partial(pending.put, k), out, step, a, ordered=False)
+
+    j = 0
+    for i in snap_groups:
+        g = groups[i]
+        idx = range(j, j + len(g.leaves))
+        j += len(g.leaves)
+        if callable(g.snapshots):
+
+            def probe(fn=g.snapshots, ix=idx, nm=tuple(lf.name for lf in g.leaves)) -> jax.Array:
+                by_name = fn()  # traced in this branch only: runs on full steps only
+                return jnp.stack([send(k, by_name[n]) for k, n in zip(ix, nm, strict=True)])
+
+            flags.append(jax.lax.cond(full, probe, lambda n=len(idx): jnp.zeros(n, jnp.int32)))
+        else:
+            for k, a in zip(idx, arrays[i], strict=True):
+                shipped = jax.lax.cond(full, lambda k=k, a=a: send(k, a), lambda: jnp.int32(0))
+                flags.append(shipped[None])
+    return jnp.concatenate(flags)
 
 
 def _apply(

@@ -2,7 +2,8 @@
 
 :func:`raw_rows` puts traintape's single-pass C kernel (:mod:`traintape.core.fused`)
 *inside* the caller's compiled computation: one ``ffi_call`` reads every captured leaf
-once (vectorised, OpenMP across blocks, in double) and returns the mergeable raw rows
+once (vectorised, spread over XLA:CPU's own intra-op thread pool, asynchronously: XLA
+can run independent work until the result is needed) and returns the mergeable raw rows
 ``[n, RAW]`` float64 — carried as ``uint32 [n, 2 * RAW]`` so that JAX needs no x64 mode;
 :func:`decode` views them back on the host and :func:`traintape.core.fused.finalize_raw`
 turns them into stat vectors. Measured on an 11M-element set of leaves, 2 CPU threads:
@@ -50,8 +51,9 @@ def _register() -> bool:
     if not header.exists():
         _log.debug("traintape: %s missing; JAX stats use XLA reductions", header)
         return False
-    path = fused.build_with_openmp(
-        "jaxffi", [_SRC, fused.SOURCE], include_dirs=[include], depends=[header]
+    # no OpenMP: the handler runs on XLA's own thread pool (see _ffi_kernel.c)
+    path = fused.build_shared_object(
+        "jaxffi", [_SRC, fused.SOURCE], fused.FLAGS_PLAIN, include_dirs=[include], depends=[header]
     )
     _lib = ctypes.CDLL(str(path))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(_lib.tt_raw_stats_ffi), platform="cpu")
@@ -92,9 +94,15 @@ def raw_rows(arrays: Sequence[jax.Array]) -> jax.Array:
             "traintape's JAX FFI stat kernel is unavailable (no C compiler, jaxlib's FFI "
             "header missing, or TRAINTAPE_NO_FUSED set); use stats.stat_matrix instead"
         )
-    out = jax.ShapeDtypeStruct((len(arrays), 2 * fused.RAW), jnp.uint32)
-    call = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")
-    return call(*[_operand(a) for a in arrays])
+    # one call per leaf, not one for all: a single call reading every leaf keeps all of
+    # them alive until the last is produced (e.g. every gradient until the optimizer has
+    # made every update), which grows XLA's temp allocation past malloc's mmap threshold:
+    # fresh pages and ~20k page faults per step on an 11M-param MLP (+20-40 ms, measured
+    # in benchmarks/jax_overhead.py's model); per leaf the step has no extra faults
+    call = jax.ffi.ffi_call(
+        TARGET, jax.ShapeDtypeStruct((1, 2 * fused.RAW), jnp.uint32), vmap_method="sequential"
+    )
+    return jnp.concatenate([call(_operand(a)) for a in arrays])
 
 
 def decode(rows: np.ndarray) -> np.ndarray:
