@@ -115,6 +115,19 @@ def _record(
     emit(recorder, groups, step=step, counter=counter)
 
 
+def _substitute(
+    args: Sequence[Any], kwargs: Mapping[str, Any], probe: Mapping[int | str, Any]
+) -> tuple[list[Any], dict[str, Any]]:
+    """The call's arguments with the probe batch substituted (position or keyword)."""
+    a, kw = list(args), dict(kwargs)
+    for key, value in probe.items():
+        if isinstance(key, int):
+            a[key] = value
+        else:
+            kw[key] = value
+    return a, kw
+
+
 def value_and_grad(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
@@ -185,13 +198,7 @@ def value_and_grad(
         if probe is not None and acts:
 
             def probe_fn() -> dict[str, jax.Array]:
-                a = list(args)
-                kw = dict(kwargs)
-                for key, value in probe.items():
-                    if isinstance(key, int):
-                        a[key] = value
-                    else:
-                        kw[key] = value
+                a, kw = _substitute(args, kwargs, probe)
                 _, (_, (probe_acts, _)) = inner(*a, **kw)
                 return probe_acts
 
@@ -214,6 +221,7 @@ def nnx_value_and_grad(
     step_kwarg: str | None = None,
     start_step: int = 0,
     activations: bool = True,
+    probe: Mapping[int | str, Any] | None = None,
     layer_kinds: LayerKinds = None,
 ) -> Callable[..., Any]:
     """Drop-in for :func:`flax.nnx.value_and_grad` (differentiates the ``nnx.Param``
@@ -223,8 +231,10 @@ def nnx_value_and_grad(
     recorded as ``param`` ``running_mean``/``running_var``, read before the call (θ_t).
     Returns exactly what ``nnx.value_and_grad`` returns (grads as an ``nnx.State``).
     Names: the module's attribute path, list indices as segments (``layers/0/kernel``) —
-    the same names a Linen model with submodules ``layers_0`` gets. ``layer_kinds`` and
-    step accounting as in :func:`value_and_grad`. Use it inside ``nnx.jit`` or
+    the same names a Linen model with submodules ``layers_0`` gets. ``layer_kinds``,
+    ``probe`` and step accounting as in :func:`value_and_grad`; the probe's forward pass
+    runs on a copy of the module (``nnx.split``/``nnx.merge``), so whatever it updates
+    (BatchNorm statistics, RNG counts) never reaches the trained model. Use it inside ``nnx.jit`` or
     ``jax.jit`` as you would ``nnx.value_and_grad``.
 
     Forward order is not known here (``nnx.capture`` returns outputs by path), so the
@@ -270,12 +280,24 @@ def nnx_value_and_grad(
                 if stats:  # before the call: θ_t
                     sink.add_state(tuple(path), stats, kinds[layer])
         state = {n: a for n, (a, _, _) in sink.state.items()}
+        before = nnx.split(model) if probe is not None else None  # θ_t, as called
         (value, (aux, acts)), grads = vg(*args, **kwargs)
         params = nnx.state(model, nnx.Param)
+        probe_fn = None
+        if before is not None and probe is not None and acts:
+
+            def probe_fn() -> dict[str, jax.Array]:
+                a, kw = _substitute(args, kwargs, probe)
+                # a copy whose variables belong to this trace (NNX refuses to mutate the
+                # outer ones): what the probe updates (BatchNorm stats, RNG counts) is dropped
+                graph, st = before
+                a[argnums] = nnx.merge(graph, jax.tree_util.tree_map(lambda v: v, st))
+                return inner(*a, **kw)[1][1]
+
         _record(
             recorder, params, grads, acts, state, sink,
             argnums=0, name_map=name_map, step=step, counter=counter, layer_kinds=kinds,
-            acts_in_forward_order=False,
+            probe=probe_fn, acts_in_forward_order=False,
         )  # fmt: skip
         return ((value, aux), grads) if has_aux else (value, grads)
 
