@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
 
 import flax.linen as nn
 import jax
@@ -460,54 +458,3 @@ def test_a_failed_record_is_raised_by_close_not_inside_the_step(mem_url: str) ->
         rec.close()
     assert list(open_run(mem_url).steps) == [5]
     assert open_run(mem_url).tensor_names(Kind.GRAD) == ["arg0"]  # a bare array argument
-
-
-def test_nnx_activation_snapshots_use_the_probe_batch_on_a_copy(mem_url: str) -> None:
-    """NNX probe: snapshots on full-capture steps are the layer outputs for the probe batch
-    under θ_t; the probe's forward pass (BatchNorm in training mode) leaves the trained
-    module exactly as plain ``nnx.value_and_grad`` training leaves it."""
-
-    class Net(nnx.Module):
-        def __init__(self, rngs: nnx.Rngs) -> None:
-            self.fc = nnx.Linear(3, 4, rngs=rngs)
-            self.bn = nnx.BatchNorm(4, momentum=0.5, rngs=rngs)
-            self.head = nnx.Linear(4, 2, rngs=rngs)
-
-        def __call__(self, x: jax.Array) -> jax.Array:
-            return self.head(self.bn(self.fc(x)))
-
-    def loss(m: Net, x: jax.Array) -> jax.Array:
-        return jnp.mean(m(x) ** 2)
-
-    xs = np.random.default_rng(0).normal(size=(3, 8, 3)).astype(np.float32)
-    probe = jnp.asarray(np.random.default_rng(1).normal(size=(2, 3)).astype(np.float32))
-
-    def train(m: Net, vg: Callable[..., Any]) -> list[np.ndarray]:
-        @nnx.jit
-        def step(m: Net, x: jax.Array) -> None:
-            _, g = vg(m, x)
-            params = nnx.state(m, nnx.Param)
-            nnx.update(m, jax.tree_util.tree_map(lambda p, d: p - 0.1 * d, params, g))
-
-        fc_probe = []  # fc output for the probe under θ_t
-        for t in range(3):
-            fc_probe.append(np.asarray(m.fc(probe)))
-            step(m, jnp.asarray(xs[t]))
-        return fc_probe
-
-    plain = Net(nnx.Rngs(0))
-    want = train(plain, nnx.value_and_grad(loss))
-    model = Net(nnx.Rngs(0))
-    with Recorder(mem_url, CapturePolicy(full_every=2)) as rec:
-        train(model, tj.nnx_value_and_grad(loss, recorder=rec, probe={1: probe}))
-    # the probe changed nothing in the trained module (params and BatchNorm statistics)
-    for a, b in zip(jax.tree_util.tree_leaves(nnx.state(plain)),
-                    jax.tree_util.tree_leaves(nnx.state(model)), strict=True):  # fmt: skip
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    run = open_run(mem_url)
-    assert list(run.snapshot_steps("fc/output", Kind.ACTIVATION)) == [0, 2]
-    assert run.spec("fc/output", Kind.ACTIVATION).snapshot_shape == [2, 4]
-    for t in (0, 2):
-        np.testing.assert_allclose(
-            run.snapshot("fc/output", Kind.ACTIVATION, t), want[t], rtol=1e-5, atol=1e-6
-        )
