@@ -201,7 +201,8 @@ class Run:
         if len(steps) == 0:
             return steps, np.zeros(0)
         arr = self.array(L.snapshot_path(kind, name))
-        values = np.asarray(arr[(slice(0, len(steps)), *index)].read().result())
+        sel: Any = (slice(0, len(steps)), *index)
+        values = np.asarray(arr[sel].read().result())
         return steps, values
 
     def __repr__(self) -> str:

@@ -102,6 +102,7 @@ class _Checker:
         m = self.m
         rows = m.commit.rows
         expected: dict[str, tuple[str, tuple[int | None, ...], list[int] | None]] = {}
+        shape: tuple[int | None, ...] | list[int] | list[int | None] | None
         if rows or m.tensors or m.metrics:
             expected[L.STEPS] = ("int64", (None,), [m.layout.row_chunk])
         for kind in m.kinds():
@@ -146,7 +147,7 @@ class _Checker:
             if got and got[0] < need:
                 self.problem(f"array {path}: {got[0]} rows on disk, commit mark says {need}")
             if chunks is not None:
-                cs = list(arr.chunk_layout.read_chunk.shape)
+                cs = _shape(arr.chunk_layout.read_chunk)
                 if cs != chunks:
                     self.problem(f"array {path}: chunk shape {cs}, declared {chunks}")
 
@@ -246,11 +247,16 @@ class _Checker:
                 self.problem(f"group {g}: zarr.json missing (plain Zarr readers will not find it)")
 
 
+def _shape(grid: ts.ChunkLayout.Grid) -> list[int]:
+    """A chunk grid's shape (TensorStore types it optional; a zarr3 array always has one)."""
+    return [0 if c is None else int(c) for c in grid.shape or ()]
+
+
 def _chunk_grid(arr: ts.TensorStore, n: int) -> list[tuple[slice, ...]]:
     """Selections of every write chunk of the first ``n`` entries of ``arr``."""
     if n <= 0:
         return []
-    chunk = list(arr.chunk_layout.write_chunk.shape)
+    chunk = _shape(arr.chunk_layout.write_chunk)
     grids = [range(0, n, chunk[0])] + [
         range(0, s, c) for s, c in zip(arr.shape[1:], chunk[1:], strict=True)
     ]

@@ -13,6 +13,7 @@ therefore leaves a store whose manifest describes only durable data.
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 import queue
 import sys
@@ -186,7 +187,7 @@ class StoreWriter:
                     self._take_backlog()
                     self._guarded(self._commit)
             else:
-                self._guarded(lambda item=item: self._write_snapshot(item))
+                self._guarded(functools.partial(self._write_snapshot, item))
                 if self._written_bytes >= self.max_pending_bytes // 2:
                     self._guarded(self._commit)  # make them durable: frees the byte budget
 
@@ -201,7 +202,7 @@ class StoreWriter:
             if isinstance(item, Row):
                 self._rows.append(item)
             elif isinstance(item, Snapshot):
-                self._guarded(lambda item=item: self._write_snapshot(item))
+                self._guarded(functools.partial(self._write_snapshot, item))
             else:  # a control message: put it back in front by handling after commit
                 self._deferred.append(item)
                 return

@@ -192,17 +192,18 @@ def emit(
     ]
     n_snaps = sum(sizes[i] for i in snap_groups)
     pending = _Snapshots(n_snaps)
+    if step is None and counter is None:
+        raise ValueError("emit: automatic step numbering needs a counter")
+    auto = counter
 
     def host(step_v: Any, stats_v: Any, shipped: Any = None) -> None:
-        s = counter.next() if step_v is None else int(step_v)
+        s = auto.next() if auto is not None and step_v is None else int(step_v)
         st = decode(np.asarray(stats_v))
         snaps = pending.take(s, shipped) if shipped is not None else None
         pump.put(lambda: _apply(recorder, s, kinds, names, sizes, st, snaps, snap_groups))
 
-    if snap_groups and step is None:
-        if counter is None:
-            raise ValueError("emit: automatic step numbering needs a counter")
-        step = fetch_step(counter)
+    if snap_groups and auto is not None and step is None:
+        step = fetch_step(auto)
     if step is None:
         io_callback(lambda st: host(None, st), None, stats, ordered=True)
         return

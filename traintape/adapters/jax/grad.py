@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 
@@ -274,7 +274,7 @@ def nnx_value_and_grad(
         sink.state.clear()
         for path, node in nnx.iter_graph(model):
             if isinstance(node, nnx.Module):
-                layer = join(default_segments([*path, "x"])[:-1])
+                layer = join(default_segments([*cast(tuple[str | int, ...], path), "x"])[:-1])
                 kinds[layer] = sink.kind(tuple(path), node)[0] or layer_kind_of(node)
                 stats = {k: v[...] for k, v in vars(node).items() if isinstance(v, nnx.BatchStat)}
                 if stats:  # before the call: θ_t

@@ -35,7 +35,7 @@ class WatchState(NamedTuple):
     """State of :func:`watch`: the wrapped transformation's state and the step count."""
 
     inner: Any
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # shadows tuple.count, as in optax's states
     """Optimizer steps completed (int32): the step recorded by the next ``update``."""
     micro: jax.Array
     """Micro-batches accumulated towards the current step (``accumulate > 1``)."""
@@ -45,9 +45,7 @@ class WatchState(NamedTuple):
 
 def _opt_state_leaves(state: Any, params: Any, name_map: NameMap) -> tuple[list[Leaf], list[Any]]:
     p_leaves = named_leaves(params, name_map)
-    by_path = {}
-    for leaf in p_leaves:
-        by_path[tuple(leaf.source_name.split("/"))] = leaf
+    by_path = {tuple(lf.source_name.split("/")): lf for lf in p_leaves}
     flat = jax.tree_util.tree_flatten_with_path(state)[0]
     leaves: list[Leaf] = []
     arrays: list[Any] = []

@@ -73,7 +73,7 @@ def _host(
                 k += len(g.names)
             mats = host_stat_matrices(parts)  # one kernel call for the whole step
             for g, sn, part, st in zip(groups, snap, parts, mats, strict=True):
-                snaps = None
+                snaps: Mapping[str, np.ndarray] | None = None
                 if sn and rec.policy.snapshots(s, g.kind):
                     snaps = {x: np.array(a, copy=True) for x, a in zip(g.names, part, strict=True)}
                 elif g.host_snapshots is not None and rec.policy.snapshots(s, g.kind):

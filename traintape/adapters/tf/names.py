@@ -65,6 +65,7 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
+from numpy.typing import NDArray
 
 from traintape.core.naming import NameMap, canonical_name
 from traintape.schema import roles as R
@@ -111,7 +112,7 @@ class Transform:
             x = x.reshape(self.shape)
         return x
 
-    def write(self, buf: np.ndarray, value: np.ndarray) -> None:
+    def write(self, buf: NDArray[Any], value: NDArray[Any]) -> None:
         """Write a canonical ``value`` into ``buf`` (a copy of the source variable)."""
         target = buf[self.row] if self.row is not None else buf
         if self.cols is not None:
@@ -288,6 +289,7 @@ def _entries_for_layer(layer: Any, path: list[str], name_map: NameMap) -> list[E
         for short, dense in subs:
             for v in _own_variables(dense):
                 shp = tuple(int(d) for d in v.shape)
+                new: tuple[int, ...]
                 if short == "o" and v.name == "kernel":
                     new = (shp[0] * shp[1], shp[2])
                 elif v.name == "kernel":
