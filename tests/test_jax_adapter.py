@@ -458,3 +458,15 @@ def test_a_failed_record_is_raised_by_close_not_inside_the_step(mem_url: str) ->
         rec.close()
     assert list(open_run(mem_url).steps) == [5]
     assert open_run(mem_url).tensor_names(Kind.GRAD) == ["arg0"]  # a bare array argument
+
+
+def test_strict_recorder_fails_the_step_itself(mem_url: str) -> None:
+    """``Recorder(strict=True)``: a failed record raises out of the jitted call."""
+    rec = Recorder(mem_url, strict=True)
+    vg = jax.jit(tj.value_and_grad(lambda p: jnp.sum(p**2), recorder=rec, step_kwarg="step"))
+    vg(jnp.ones(2), step=5)
+    with pytest.raises(Exception, match="step 3"):
+        jax.block_until_ready(vg(jnp.ones(2), step=3))
+        jax.effects_barrier()
+    rec.close()
+    assert list(open_run(mem_url).steps) == [5]

@@ -49,7 +49,8 @@ class Pump:
     in the recorder — a following ``rec.log(t + 1, ...)`` from the training loop can
     never seal step t before its stats arrive. A failure is kept (capture of later steps
     stops) and re-raised by :meth:`drain` (``Recorder.close``/``flush``) rather than
-    raised inside the XLA runtime.
+    raised inside the XLA runtime — unless the recorder is ``strict``: then it is raised
+    in the callback and the step itself fails.
     """
 
     def __init__(self, recorder: Recorder) -> None:
@@ -64,6 +65,8 @@ class Pump:
             try:
                 fn()
             except BaseException as e:
+                if self.recorder.strict:  # failures are to stop training: out of the
+                    raise  # callback, the jitted call fails with it
                 self._error = e
                 warnings.warn(
                     f"traintape.jax: recording into {self.recorder.url} failed and is "
@@ -191,16 +194,20 @@ def emit(
         if g.snapshots and policy.full_every and g.kind in policy.snapshot_kinds
     ]
     n_snaps = sum(sizes[i] for i in snap_groups)
-    pending = _Snapshots(n_snaps)
+    pending = _Snapshots(n_snaps, pump)
     if step is None and counter is None:
         raise ValueError("emit: automatic step numbering needs a counter")
     auto = counter
 
     def host(step_v: Any, stats_v: Any, shipped: Any = None) -> None:
         s = auto.next() if auto is not None and step_v is None else int(step_v)
-        st = decode(np.asarray(stats_v))
-        snaps = pending.take(s, shipped) if shipped is not None else None
-        pump.put(lambda: _apply(recorder, s, kinds, names, sizes, st, snaps, snap_groups))
+
+        def apply() -> None:  # in the pump: a failure stops capture, never the step
+            st = decode(np.asarray(stats_v))
+            snaps = pending.take(s, shipped) if shipped is not None else None
+            _apply(recorder, s, kinds, names, sizes, st, snaps, snap_groups)
+
+        pump.put(apply)
 
     if snap_groups and auto is not None and step is None:
         step = fetch_step(auto)
@@ -221,15 +228,19 @@ class _Snapshots:
     callback (:func:`_ship_snapshots`), collected by step until that step's stats
     callback (ordered after them) takes them."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, pump: Pump) -> None:
         self.n = n
+        self.pump = pump
         self._by_step: dict[int, dict[int, np.ndarray]] = {}
         self._lock = threading.Lock()
 
     def put(self, j: int, step_v: Any, a: Any) -> np.int32:
-        # copy: the callback's buffer is only valid during the callback
-        with self._lock:
-            self._by_step.setdefault(int(step_v), {})[j] = np.array(a, copy=True)
+        def keep() -> None:  # copy: the callback's buffer is only valid during the callback
+            copy = np.array(a, copy=True)
+            with self._lock:
+                self._by_step.setdefault(int(step_v), {})[j] = copy
+
+        self.pump.put(keep)  # a failure (out of memory) stops capture, not the step
         return np.int32(1)
 
     def take(self, step: int, shipped: Any) -> list[np.ndarray] | None:
