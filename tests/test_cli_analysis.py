@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -141,3 +142,30 @@ def test_report_cli_writes_file(stores, tmp_path, name):  # noqa: F811
     text = out.read_text()
     assert text.count("data:image/png;base64,") >= 5
     assert "http://" not in text and "https://" not in text
+
+
+def test_monitor_waits_for_a_run_started_after_it(tmp_path):
+    """`monitor --wait`: started before training, it follows the run once it appears; a run
+    that never appears is an error naming the path."""
+    url = str(tmp_path / "later")
+    started = threading.Event()
+
+    def train_later() -> None:
+        started.wait(10)
+        time.sleep(0.5)
+        with traintape.Recorder(url) as rec:
+            for t in range(5):
+                rec.log(t, loss=1.0 / (t + 1))
+
+    th = threading.Thread(target=train_later)
+    th.start()
+    started.set()
+    r = cli.invoke(
+        app, ["monitor", url, "--wait", "30", "--interval", "0.1", "--max-seconds", "20"]
+    )
+    th.join()
+    assert r.exit_code == 0, r.output
+    assert "loss" in r.output
+    missing = str(tmp_path / "never")
+    r = cli.invoke(app, ["monitor", missing, "--wait", "0.3", "--once"])
+    assert r.exit_code == 2 and "never" in r.output

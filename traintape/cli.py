@@ -505,13 +505,21 @@ def monitor(
     interval: float = typer.Option(1.0, help="seconds between refreshes"),
     once: bool = typer.Option(False, "--once", help="print one view and exit"),
     max_seconds: float | None = typer.Option(None, "--max-seconds", help="stop after this long"),
+    wait: float = typer.Option(
+        0.0, "--wait", help="seconds to wait for the run to appear (start before training)"
+    ),
 ) -> None:
     """Follow a run while another process writes it (committed rows only)."""
     import time
 
     from rich.live import Live
 
-    r = _open(run)
+    if wait > 0 and _store_problem(run) is not None:
+        deadline = time.monotonic() + wait
+        with console.status(f"waiting for a run at {run} (up to {wait:g} s)"):
+            while _store_problem(run) is not None and time.monotonic() < deadline:
+                time.sleep(min(interval, 0.2))
+    r = _open(run)  # still missing after --wait: exits 2 naming the path
 
     def view() -> Table:
         r.refresh()
