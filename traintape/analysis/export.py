@@ -20,6 +20,8 @@ from traintape.analysis._common import ProgressCallback, Tracker
 from traintape.schema import STAT_NAMES
 
 if TYPE_CHECKING:
+    import pandas as pd
+
     from traintape.core.reader import Run
 
 Format = Literal["parquet", "csv", "npz"]
@@ -76,21 +78,19 @@ def export(
     os.makedirs(out, exist_ok=True)
     for kind in run.kinds():
         tracker.stage(f"{kind.value} stats")
-        df = run.stats(kind)
-        path = os.path.join(out, f"stats_{kind.value}.{format}")
-        if format == "parquet":
-            df.to_parquet(path, index=False)
-        else:
-            df.to_csv(path, index=False)
-        written.append(path)
+        written.append(_write_table(run.stats(kind), out, f"stats_{kind.value}", format))
         tracker.advance()
     tracker.stage("metrics")
-    met = run.metrics().reset_index()
-    path = os.path.join(out, f"metrics.{format}")
-    if format == "parquet":
-        met.to_parquet(path, index=False)
-    else:
-        met.to_csv(path, index=False)
-    written.append(path)
+    written.append(_write_table(run.metrics().reset_index(), out, "metrics", format))
     tracker.finish()
     return written
+
+
+def _write_table(df: pd.DataFrame, out: str, stem: str, format: str) -> str:
+    """Write ``df`` as ``<out>/<stem>.<format>`` (parquet or csv), without the index."""
+    path = os.path.join(out, f"{stem}.{format}")
+    if format == "parquet":
+        df.to_parquet(path, index=False)
+    else:
+        df.to_csv(path, index=False)
+    return path
