@@ -166,8 +166,8 @@ def emit(
     Args:
         step: the optimizer step as a traced or concrete integer; ``None`` = automatic:
             ``counter`` numbers the callbacks in arrival order (one per executed call).
-    Trace-time work: declare specs, build the stat matrix and the callback. Nothing here
-    blocks; the host side runs on the pump thread.
+    Trace-time work: declare specs, build the stat computation and the callbacks. Nothing
+    here blocks; the host side runs in the callbacks, through the recorder's :class:`Pump`.
     """
     policy = recorder.policy
     groups = [
@@ -226,7 +226,7 @@ def emit(
 class _Snapshots:
     """Host side of full capture: whole tensors of one record point, shipped one leaf per
     callback (:func:`_ship_snapshots`), collected by step until that step's stats
-    callback (ordered after them) takes them."""
+    callback takes them (it runs after them: their flags are its operand)."""
 
     def __init__(self, n: int, pump: Pump) -> None:
         self.n = n
