@@ -234,8 +234,8 @@ def nnx_value_and_grad(
     the same names a Linen model with submodules ``layers_0`` gets. ``layer_kinds``,
     ``probe`` and step accounting as in :func:`value_and_grad`; the probe's forward pass
     runs on a copy of the module (``nnx.split``/``nnx.merge``), so whatever it updates
-    (BatchNorm statistics, RNG counts) never reaches the trained model. Use it inside ``nnx.jit`` or
-    ``jax.jit`` as you would ``nnx.value_and_grad``.
+    (BatchNorm statistics, RNG counts) never reaches the trained model. Use it inside
+    ``nnx.jit`` or ``jax.jit`` as you would ``nnx.value_and_grad``.
 
     Forward order is not known here (``nnx.capture`` returns outputs by path), so the
     store's ``forward_order`` is left to the user (``Recorder(user={"forward_order":
@@ -280,7 +280,8 @@ def nnx_value_and_grad(
                 if stats:  # before the call: θ_t
                     sink.add_state(tuple(path), stats, kinds[layer])
         state = {n: a for n, (a, _, _) in sink.state.items()}
-        before = nnx.split(model) if probe is not None else None  # θ_t, as called
+        # θ_t as called, for the probe (only when activations are recorded at all)
+        before = nnx.split(model) if probe is not None and want_acts else None
         (value, (aux, acts)), grads = vg(*args, **kwargs)
         params = nnx.state(model, nnx.Param)
         probe_fn = None
