@@ -166,7 +166,7 @@ def main() -> None:
     tensors = [a for t in (p_, g_, u_) for a in jax.tree_util.tree_leaves(t)]
     kernels = {
         "sum_pass": jax.jit(lambda ts: sum(jnp.sum(a) for a in ts)),
-        "stat_matrix": jax.jit(tj.stat_matrix),
+        "stat_matrix": jax.jit(tj.raw_matrix),
     }
     if ffi_kernel.available():
         kernels["ffi_kernel"] = jax.jit(ffi_kernel.raw_rows)

@@ -5,10 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from traintape.core import fused
-from traintape.core.stats import stat_vectors, stat_vectors_numpy
+from traintape.core import native
+from traintape.core.stats import raw_rows, stat_vectors
+from traintape.schema.stats import N_STATS, STAT_INDEX, finalize, merge
+from traintape.schema.stats import reference_stats as stat_vectors_numpy
 
-pytestmark = pytest.mark.skipif(not fused.available(), reason="no C compiler for the kernel")
+pytestmark = pytest.mark.skipif(not native.fused_available(), reason="no C compiler for the kernel")
+COUNTS = [STAT_INDEX[n] for n in ("zero_frac", "nan_count", "inf_count")]
 
 BLOCK = 32768  # must match _fused_stats.c
 
@@ -40,37 +43,34 @@ def arrays(dtype) -> list[np.ndarray]:
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_fused_matches_numpy_reference(dtype):
     xs = arrays(dtype)
-    got = fused.fused_stat_vectors(xs)
+    got = stat_vectors(xs)
     want = stat_vectors_numpy(xs)
-    assert got.shape == want.shape == (len(xs), 9)
+    assert got.shape == want.shape == (len(xs), N_STATS)
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-12)
     # counts are exact
-    np.testing.assert_array_equal(got[:, 7:], want[:, 7:])
-    np.testing.assert_array_equal(got[:, 6], want[:, 6])
-    assert got[7, 7] == 2 and got[7, 8] == 2
-    assert got[6, 1] == 0.0  # constant data: std exactly zero
+    np.testing.assert_array_equal(got[:, COUNTS], want[:, COUNTS])
+    assert got[7, STAT_INDEX["nan_count"]] == 2 and got[7, STAT_INDEX["inf_count"]] == 2
+    assert got[6, STAT_INDEX["std"]] == 0.0  # constant data: std exactly zero
 
 
 def test_near_constant_std_is_accurate():
     rng = np.random.default_rng(1)
     x = 1e4 + 1e-2 * rng.standard_normal(500_000)
-    got = fused.fused_stat_vectors([x])[0]
-    np.testing.assert_allclose(got[1], np.std(x), rtol=1e-7)
-    np.testing.assert_allclose(got[0], np.mean(x), rtol=1e-14)
+    got = stat_vectors([x])[0]
+    np.testing.assert_allclose(got[STAT_INDEX["std"]], np.std(x), rtol=1e-7)
+    np.testing.assert_allclose(got[STAT_INDEX["mean"]], np.mean(x), rtol=1e-14)
 
 
 def test_large_and_many_arrays_any_thread_count_same_result():
     rng = np.random.default_rng(2)
     xs = [rng.standard_normal(n).astype(np.float32) for n in (3_000_001, 1, 50, BLOCK)]
     xs += [rng.standard_normal(100).astype(np.float32) for _ in range(200)]
-    one = fused.fused_raw(xs, nthreads=1)
-    two = fused.fused_raw(xs, nthreads=2)
+    one = raw_rows(xs, nthreads=1)
+    two = raw_rows(xs, nthreads=2)
     np.testing.assert_array_equal(one, two)  # fixed block order: deterministic
     # float32 data: agreement to the data's precision (means near 0 compared absolutely)
-    np.testing.assert_allclose(
-        fused.finalize_raw(one), stat_vectors_numpy(xs), rtol=1e-6, atol=1e-7
-    )
+    np.testing.assert_allclose(finalize(one), stat_vectors_numpy(xs), rtol=1e-6, atol=1e-7)
 
 
 def test_other_dtypes_and_strided_views_are_converted():
@@ -83,7 +83,7 @@ def test_other_dtypes_and_strided_views_are_converted():
         base[:, ::3],  # strided float64
         base.astype(">f4"),  # non-native byte order
     ]
-    got = fused.fused_stat_vectors(xs)
+    got = stat_vectors(xs)
     want = stat_vectors_numpy(xs)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-12)
 
@@ -94,8 +94,8 @@ def test_merge_equals_stats_of_concatenation():
     b = rng.standard_normal(100).astype(np.float32) * 5
     b[0] = np.nan
     c = np.full(4, np.inf, np.float32)
-    ra, rb, rc = (fused.fused_raw([v]) for v in (a, b, c))
-    got = fused.finalize_raw(fused.merge_raw(fused.merge_raw(ra, rb), rc))
+    ra, rb, rc = (raw_rows([v]) for v in (a, b, c))
+    got = finalize(merge(merge(ra, rb), rc))
     want = stat_vectors_numpy([np.concatenate([a, b, c])])
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
@@ -107,25 +107,25 @@ def test_stat_vectors_hook_uses_kernel_and_falls_back(monkeypatch, tmp_path):
     # no compiler: silently the numpy path, same numbers
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("TRAINTAPE_CACHE_DIR", str(tmp_path / "cache"))
-    fused._reset_for_tests()
+    native.reset_for_tests()
     try:
-        assert not fused.available()
+        assert not native.fused_available()
         np.testing.assert_allclose(stat_vectors(xs), stat_vectors_numpy(xs), rtol=0, atol=0)
-        raw = fused.fused_raw(xs)  # numpy raw rows when the kernel is missing
-        np.testing.assert_allclose(fused.finalize_raw(raw), stat_vectors_numpy(xs), rtol=1e-12)
+        raw = raw_rows(xs)  # reference raw rows when the kernel is missing
+        np.testing.assert_allclose(finalize(raw), stat_vectors_numpy(xs), rtol=1e-12)
     finally:
         monkeypatch.undo()
-        fused._reset_for_tests()
-    assert fused.available()
+        native.reset_for_tests()
+    assert native.fused_available()
 
 
 def test_compiles_into_fresh_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("TRAINTAPE_CACHE_DIR", str(tmp_path))
-    fused._reset_for_tests()
+    native.reset_for_tests()
     try:
-        assert fused.available()
+        assert native.fused_available()
         built = list(tmp_path.glob("fused-*.so"))
         assert len(built) == 1 and not list(tmp_path.glob(".fused-*"))
     finally:
         monkeypatch.undo()
-        fused._reset_for_tests()
+        native.reset_for_tests()

@@ -11,6 +11,7 @@ import pytest
 
 import traintape.jax as tj
 from traintape.core.stats import stat_vectors
+from traintape.schema.stats import N_RAW, STAT_INDEX, finalize
 
 CASES = {
     "normal": np.random.default_rng(0).normal(size=(37, 5)).astype(np.float32),
@@ -29,17 +30,17 @@ CASES = {
 def test_stat_vectors_match_numpy_reference(fused: bool) -> None:
     arrays = list(CASES.values())
     if fused:  # one NaN anywhere sends the whole matrix down the masked path
-        got = np.asarray(jax.jit(tj.stat_matrix)([jnp.asarray(a) for a in arrays]))
+        got = tj.stat_matrix([jnp.asarray(a) for a in arrays])
     else:
-        got = np.stack([np.asarray(jax.jit(tj.stat_vector)(jnp.asarray(a))) for a in arrays])
+        got = np.stack([tj.stat_vector(jnp.asarray(a)) for a in arrays])
     want = stat_vectors([np.asarray(a) for a in arrays])
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, equal_nan=True)
 
 
 def test_fast_path_offset_std_is_accurate() -> None:
     x = CASES["offset"]
-    got = np.asarray(jax.jit(tj.stat_vector)(jnp.asarray(x)))
-    np.testing.assert_allclose(got[1], np.std(x.astype(np.float64)), rtol=1e-3)
+    got = tj.stat_vector(jnp.asarray(x))
+    np.testing.assert_allclose(got[STAT_INDEX["std"]], np.std(x.astype(np.float64)), rtol=1e-3)
 
 
 def test_ffi_kernel_matches_numpy_reference_inside_jit() -> None:
@@ -53,8 +54,8 @@ def test_ffi_kernel_matches_numpy_reference_inside_jit() -> None:
     big[7, 9] = np.nan
     arrays = [*CASES.values(), big, np.arange(10, dtype=np.int32), np.ones(5, np.float64)]
     rows = jax.jit(ffi_kernel.raw_rows)([jnp.asarray(a) for a in arrays])
-    assert rows.dtype == jnp.uint32 and rows.shape == (len(arrays), 20)
-    got = ffi_kernel.decode(np.asarray(rows))
+    assert rows.dtype == jnp.uint32 and rows.shape == (len(arrays), 2 * N_RAW)
+    got = finalize(ffi_kernel.decode(np.asarray(rows)))
     want = stat_vectors([np.asarray(a) for a in arrays])
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, equal_nan=True)
 
@@ -94,7 +95,11 @@ def test_ffi_kernel_async_on_xla_pool_keeps_operands_until_done() -> None:
         ref = p0 + np.float32(i)
         want = stat_vectors([ref, q, ref * np.float32(2.0)])
         np.testing.assert_allclose(
-            ffi_kernel.decode(np.asarray(rows)), want, rtol=1e-6, atol=1e-6, equal_nan=True
+            finalize(ffi_kernel.decode(np.asarray(rows))),
+            want,
+            rtol=1e-6,
+            atol=1e-6,
+            equal_nan=True,
         )
 
     def body(p, _):
@@ -102,6 +107,6 @@ def test_ffi_kernel_async_on_xla_pool_keeps_operands_until_done() -> None:
         return p * 0.5, rows
 
     _, rows = jax.jit(lambda p: jax.lax.scan(body, p, length=4))(jnp.asarray(p0))
-    got = ffi_kernel.decode(np.asarray(rows).reshape(4, -1))
+    got = finalize(ffi_kernel.decode(np.asarray(rows).reshape(4, -1)))
     want = stat_vectors([p0 * np.float32(0.5**i) for i in range(4)])
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

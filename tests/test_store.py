@@ -168,7 +168,7 @@ def test_record_stats_with_declared_specs_and_bf16_snapshots(mem_url):
             names=names,
             snapshots={"b/kernel": kern, "a/bias": np.zeros(3, ml_dtypes.bfloat16)},
         )
-        with pytest.raises(RecordError, match=r"stats array has shape \(1, 9\)"):
+        with pytest.raises(RecordError, match=r"stats have shape \(1, 9\)"):
             rec.record_stats(1, "param", vec[:1], names=names)
     run = tt.open_run(mem_url)
     a = run.stats_array("param")

@@ -14,7 +14,9 @@ keras = pytest.importorskip("keras")
 
 import traintape  # noqa: E402
 import traintape.keras  # noqa: E402
+from traintape.adapters.tf.stats import raw_matrix  # noqa: E402
 from traintape.core.stats import stat_vectors  # noqa: E402
+from traintape.schema.stats import N_RAW, finalize  # noqa: E402
 from traintape.tf import GradientTape, from_canonical, stat_matrix, to_canonical  # noqa: E402
 
 try:
@@ -41,22 +43,23 @@ def test_stats_match_numpy_reference() -> None:
     big_zero = np.where(big > 0, big, 0).astype(np.float32)
     arrays = [a, b, c, np.zeros((4,), np.float32), big, big_nan, big_shift, big_zero]
     ref = stat_vectors(arrays)
-    got = stat_matrix([tf.constant(x) for x in arrays]).numpy()
+    got = stat_matrix([tf.constant(x) for x in arrays])
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6, equal_nan=True)
-    graph = tf.function(lambda *xs: stat_matrix(list(xs)))(*[tf.constant(x) for x in arrays])
-    np.testing.assert_allclose(graph.numpy(), ref, rtol=1e-5, atol=1e-6, equal_nan=True)
-    dyn = tf.function(lambda x: stat_matrix([x]), input_signature=[tf.TensorSpec([None, 5])])
-    np.testing.assert_allclose(dyn(tf.constant(b)).numpy()[0], ref[1], rtol=1e-6, atol=1e-6)
+    graph = tf.function(lambda *xs: raw_matrix(list(xs)))(*[tf.constant(x) for x in arrays])
+    np.testing.assert_allclose(finalize(graph.numpy()), ref, rtol=1e-5, atol=1e-6, equal_nan=True)
+    dyn = tf.function(lambda x: raw_matrix([x]), input_signature=[tf.TensorSpec([None, 5])])
+    np.testing.assert_allclose(finalize(dyn(tf.constant(b)).numpy())[0], ref[1], rtol=1e-6,
+                               atol=1e-6)  # fmt: skip
     # host fused kernel: one call for several groups, eager tensors read without a copy
-    from traintape.adapters.tf.stats import host_stat_matrices
+    from traintape.adapters.tf.stats import host_raw_matrices
 
     ts = [tf.constant(x) for x in arrays]
-    m1, m2, m3 = host_stat_matrices([ts[:3], [], ts[3:]])
-    assert m2.shape == (0, 9)
-    np.testing.assert_allclose(np.concatenate([m1, m3]), ref, rtol=1e-6, atol=1e-7,
+    m1, m2, m3 = host_raw_matrices([ts[:3], [], ts[3:]])
+    assert m2.shape == (0, N_RAW)
+    np.testing.assert_allclose(finalize(np.concatenate([m1, m3])), ref, rtol=1e-6, atol=1e-7,
                                equal_nan=True)  # fmt: skip
     sl = tf.IndexedSlices(tf.constant(a[:2]), tf.constant([0, 3]), tf.constant([5, 5]))
-    np.testing.assert_allclose(host_stat_matrices([[sl]])[0],
+    np.testing.assert_allclose(finalize(host_raw_matrices([[sl]])[0]),
                                stat_vectors([tf.convert_to_tensor(sl).numpy()]), rtol=1e-6)  # fmt: skip
 
 

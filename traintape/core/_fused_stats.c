@@ -1,7 +1,8 @@
 /* traintape fused stat kernel: one memory pass per buffer.
  *
  * For each input buffer (float32 or float64, contiguous) it computes the mergeable
- * "raw" row (10 doubles, same layout as traintape.core.fused.RAW_NAMES):
+ * "raw" row (10 doubles, the layout of traintape.schema.stats.RAW_NAMES, checked
+ * against tt_raw_names() when the library is loaded):
  *
  *   numel, finite count, sum, M2, min, max, sum of squares, sum |x|, zero count, NaN count
  *
@@ -32,6 +33,9 @@
 #define RAW 10
 
 enum { NUMEL, NFIN, SUM, M2, MIN, MAX, SUMSQ, ABSS, ZEROS, NANS };
+
+/* Field names in enum order: the Python side refuses a library whose layout differs. */
+const char *tt_raw_names(void) { return "numel,nfinite,sum,m2,min,max,sumsq,abs_sum,zeros,nan"; }
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
 #define TT_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from traintape.schema.names import InvalidNameError
+
 
 class TraintapeError(Exception):
     """Base class of traintape errors."""
@@ -21,3 +23,8 @@ class RecordError(TraintapeError, ValueError):
 
 class CaptureDisabledError(TraintapeError):
     """Capture was disabled after a storage failure (raised only with ``strict=True``)."""
+
+
+class RecordNameError(RecordError, InvalidNameError):
+    """A record call used a name that breaks the canonical grammar (both a
+    :class:`RecordError` and the schema's :class:`~traintape.schema.InvalidNameError`)."""

@@ -26,15 +26,25 @@ from typing import Any
 import numpy as np
 from pydantic import ValidationError
 
-from traintape.core import stats as S
-from traintape.core.errors import CaptureDisabledError, NotAStoreError, RecordError, StoreError
+from traintape.core.errors import (
+    CaptureDisabledError,
+    NotAStoreError,
+    RecordError,
+    RecordNameError,
+    StoreError,
+)
+from traintape.core.inputs import check_array, check_metric, check_step
 from traintape.core.kvstore import KvStore, local_path, normalize_url
+from traintape.core.stats import raw_rows as host_raw_rows
 from traintape.core.writer import Row, Snapshot, StoreWriter
 from traintape.schema import (
     MANIFEST_ATTR,
+    N_RAW,
     N_STATS,
+    RAW_NAMES,
     CapturePolicy,
     Event,
+    InvalidNameError,
     Kind,
     Manifest,
     Producer,
@@ -43,9 +53,11 @@ from traintape.schema import (
     TensorSpec,
     check_no_prefix_clash,
     check_readable,
-    split_name,
+    finalize,
+    stat_column,
     validate_name,
 )
+from traintape.schema.policy import StepPlan
 
 ArrayLike = Any
 
@@ -272,7 +284,10 @@ class Recorder:
 
     def _valid(self, name: str) -> str:
         if name not in self._valid_names:
-            validate_name(name)
+            try:
+                validate_name(name)
+            except InvalidNameError as e:
+                raise RecordNameError(str(e)) from e
             self._valid_names.add(name)
         return name
 
@@ -280,6 +295,14 @@ class Recorder:
     def wants(self, step: int, kind: Kind | str) -> bool:
         """True if ``kind`` is recorded at ``step`` (adapters skip work when False)."""
         return self.enabled and self.policy.records_kind(kind) and self.policy.captures(step)
+
+    def plan(self, step: int) -> StepPlan:
+        """What to compute at optimizer step ``step``: the policy applied in one place
+        (nothing while capture is disabled). Adapters whose step is known on the host ask
+        this; traced adapters evaluate ``policy.captures``/``policy.is_full`` on device."""
+        if not self.enabled:
+            return StepPlan(step=step, kinds=frozenset(), snapshot_kinds=frozenset())
+        return self.policy.plan(step)
 
     def record(self, step: int, kind: Kind | str, tensors: Mapping[str, ArrayLike]) -> bool:
         """Record host (numpy) tensors of one kind at optimizer step ``step``.
@@ -290,32 +313,74 @@ class Recorder:
         shapes and dtypes are declared from these arrays (activation batch axis free).
 
         Returns True if something was recorded (False: policy skipped it or capture is
-        disabled).
+        disabled). Bad input (step, name, dtype, shape) raises :class:`RecordError`
+        naming it, before anything of the call is recorded; capture stays enabled.
         """
         kind = Kind(kind)
+        step = check_step(step)
         if not self._guard() or not self.wants(step, kind):
             return False
         with self._lock:
-            arrays = {
-                self._valid(n): np.asarray(v)
-                for n, v in tensors.items()
-                if self.policy.selects(self._valid(n))
-            }
+            arrays: dict[str, np.ndarray] = {}
+            for n, v in tensors.items():
+                self._valid(n)
+                if self.policy.selects(n):
+                    arrays[n] = check_array(n, kind, v, step)
             if not arrays:
                 return False
             if kind not in self._declared:
-                self.declare([_spec_from_array(n, kind, a) for n, a in arrays.items()])
+                self.declare(
+                    [
+                        TensorSpec.build(n, kind, dtype=a.dtype.name, shape=a.shape)
+                        for n, a in arrays.items()
+                    ]
+                )
             else:
                 self._check_same_set(kind, arrays.keys())
             specs = {s.name: s for s in self._manifest.specs(kind)}
             for n, a in arrays.items():
                 _check_against_spec(specs[n], a, step)
             names = self._declared[kind]
-            vecs = S.stat_vectors([arrays[n] for n in names])
+            raw = host_raw_rows([arrays[n] for n in names])
             snaps = {n: arrays[n] for n in names} if self.policy.snapshots(step, kind) else None
-            self._add(step, kind, vecs, snaps, copy=True)
+            self._add(step, kind, finalize(raw), snaps, copy=True)
         self._drain()
         return True
+
+    def record_raw(
+        self,
+        step: int,
+        kind: Kind | str,
+        raw: ArrayLike,
+        *,
+        names: Sequence[str],
+        snapshots: Mapping[str, ArrayLike] | None = None,
+    ) -> bool:
+        """The record point of every adapter: raw rows computed on a device, at ``step``.
+
+        Args:
+            raw: ``[len(names), N_RAW]`` raw rows (:mod:`traintape.schema.stats`) of the
+                tensors ``names`` (any order; every declared tensor of ``kind`` once).
+                Raw rows of parts of a tensor (shards, micro-batches) are merged by the
+                caller with :func:`traintape.schema.stats.merge` first.
+            snapshots: full tensors (canonical layout) for a full-capture step; dropped
+                unless the policy snapshots ``kind`` at ``step``. The recorder takes
+                ownership of these arrays (do not modify them afterwards).
+        The tensors of ``kind`` must have been declared (:meth:`declare`). The policy is
+        applied here (kinds it does not record at ``step`` are ignored); stat vectors
+        are :func:`traintape.schema.stats.finalize` of ``raw``.
+        """
+        kind = Kind(kind)
+        step = check_step(step)
+        if not self._guard() or not self.wants(step, kind):
+            return False
+        rows = np.asarray(raw, dtype=np.float64)
+        if rows.shape != (len(names), N_RAW):
+            raise RecordError(
+                f"kind {kind.value} at step {step}: raw rows have shape {rows.shape}, "
+                f"expected ({len(names)}, {N_RAW}) (one row of {RAW_NAMES} per name)"
+            )
+        return self._record_vectors(step, kind, finalize(rows), names, snapshots)
 
     def record_stats(
         self,
@@ -325,40 +390,48 @@ class Recorder:
         names: Sequence[str] | None = None,
         snapshots: Mapping[str, ArrayLike] | None = None,
     ) -> bool:
-        """Record stat vectors already computed on a device.
+        """Record finished stat vectors (e.g. synthetic data, or stats from elsewhere).
 
         Args:
             stats: a mapping name -> ``[N_STATS]`` vector, or an array ``[n, N_STATS]``
                 whose rows are named by ``names``.
-            snapshots: full tensors (canonical layout) for a full-capture step; the
-                recorder takes ownership of these arrays (do not modify them afterwards).
-        The tensors of ``kind`` must have been declared (:meth:`declare`).
+            snapshots: as for :meth:`record_raw`.
+        Adapters use :meth:`record_raw` (raw rows merge exactly across shards; vectors
+        do not). The tensors of ``kind`` must have been declared (:meth:`declare`).
         """
         kind = Kind(kind)
+        step = check_step(step)
         if not self._guard() or not self.wants(step, kind):
             return False
+        if isinstance(stats, Mapping):
+            names = list(stats.keys())
+            vecs = np.stack([np.asarray(stats[n], dtype=np.float64) for n in names])
+        else:
+            if names is None:
+                raise RecordError("record_stats: an array of stats needs `names`")
+            vecs = np.asarray(stats, dtype=np.float64)
+        if vecs.shape != (len(names), N_STATS):
+            raise RecordError(
+                f"kind {kind.value} at step {step}: stats have shape {vecs.shape}, expected "
+                f"({len(names)}, {N_STATS})"
+            )
+        return self._record_vectors(step, kind, vecs, names, snapshots)
+
+    def _record_vectors(
+        self,
+        step: int,
+        kind: Kind,
+        vecs: np.ndarray,
+        names: Sequence[str],
+        snapshots: Mapping[str, ArrayLike] | None,
+    ) -> bool:
         with self._lock:
             if kind not in self._declared:
                 raise RecordError(
                     f"kind {kind.value}: no tensors declared; call Recorder.declare(specs) "
                     f"first or use Recorder.record(step, kind, arrays)"
                 )
-            if isinstance(stats, Mapping):
-                self._check_same_set(kind, stats.keys())
-                vecs = np.stack(
-                    [np.asarray(stats[n], dtype=np.float64) for n in self._declared[kind]]
-                )
-            else:
-                if names is None:
-                    raise RecordError("record_stats: an array of stats needs `names`")
-                vecs = np.asarray(stats, dtype=np.float64)
-                order = self._order(kind, tuple(names))
-                if vecs.shape != (len(names), N_STATS):
-                    raise RecordError(
-                        f"kind {kind.value}: stats array has shape {vecs.shape}, expected "
-                        f"({len(names)}, {N_STATS})"
-                    )
-                vecs = vecs[order]
+            vecs = vecs[self._order(kind, tuple(names))]
             snaps = None
             if snapshots is not None and self.policy.snapshots(step, kind):
                 self._check_same_set(kind, snapshots.keys())
@@ -388,17 +461,19 @@ class Recorder:
         Names follow the canonical grammar (``train/loss`` is fine). NaN/Inf values are
         stored and raise an event, never an exception.
         """
+        step = check_step(step)
+        values = {**(metrics or {}), **kw}
+        checked = {self._valid(name): check_metric(name, v, step) for name, v in values.items()}
         if not self._guard():
             return
-        values = {**(metrics or {}), **kw}
         with self._lock:
+            new = [n for n in checked if n not in self._manifest.metrics]
+            if new:
+                check_no_prefix_clash([*self._manifest.metrics, *new])
             row = self._row_for(step)
-            for name, v in values.items():
-                self._valid(name)
+            for name, fv in checked.items():
                 if name not in self._manifest.metrics:
-                    check_no_prefix_clash([*self._manifest.metrics, name])
                     self._manifest.metrics = sorted([*self._manifest.metrics, name])
-                fv = float(v)
                 row.metrics[name] = fv
                 if not np.isfinite(fv):
                     self._nonfinite_event(step, "nan" if np.isnan(fv) else "inf", None, name)
@@ -429,9 +504,7 @@ class Recorder:
             self._manifest.events.append(ev)
 
     def _row_for(self, step: int) -> Row:
-        if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
-            raise RecordError(f"step must be a non-negative integer, got {step!r}")
-        step = int(step)
+        step = check_step(step)
         row = self._row
         if row is not None and row.step == step:
             return row
@@ -476,37 +549,41 @@ class Recorder:
         snaps: Mapping[str, np.ndarray] | None,
         copy: bool,
     ) -> None:
+        """Add one kind's stat vectors (declared order) and snapshots to the row of
+        ``step``. Everything is checked before the row changes: a refused call leaves
+        nothing of itself behind, so a corrected retry is accepted."""
         row = self._row_for(step)
         if kind in row.stats:
             raise RecordError(f"kind {kind.value} already recorded at step {step}")
-        row.stats[kind] = vecs
-        self._check_nonfinite(step, kind, vecs)
+        owned: dict[str, np.ndarray] = {}
+        shapes: dict[str, list[int]] = {}
         if snaps:
             specs = {s.name: s for s in self._manifest.specs(kind)}
-            owned: dict[str, np.ndarray] = {}
             for n, a in snaps.items():
-                target = storage_dtype(a.dtype)
-                b = np.array(a, dtype=target, copy=True) if copy or target != a.dtype else a
                 spec = specs[n]
-                if spec.snapshot_shape is None:
-                    spec.snapshot_shape = list(b.shape)
-                elif list(b.shape) != spec.snapshot_shape:
+                if spec.snapshot_shape is not None and list(a.shape) != spec.snapshot_shape:
                     raise RecordError(
                         f"tensor {n!r} ({kind.value}) at step {step}: snapshot shape "
-                        f"{list(b.shape)} differs from earlier snapshots {spec.snapshot_shape}"
+                        f"{list(a.shape)} differs from earlier snapshots {spec.snapshot_shape}"
                     )
-                owned[n] = b
+                shapes[n] = list(a.shape)
+            for n, a in snaps.items():
+                target = storage_dtype(a.dtype)
+                owned[n] = np.array(a, dtype=target, copy=True) if copy or target != a.dtype else a
+            for n, shape in shapes.items():
+                specs[n].snapshot_shape = shape
+        row.stats[kind] = vecs
+        self._check_nonfinite(step, kind, vecs)
+        if owned:
             self._outbox.append(Snapshot(step, kind, owned))
 
     def _check_nonfinite(self, step: int, kind: Kind, vecs: np.ndarray) -> None:
         """Raise an event the first time a tensor holds NaN or Inf (vectorised check)."""
-        nonfinite = vecs[:, 7:9] > 0
-        if not nonfinite.any():
-            return
         names = self._declared[kind]
-        for col, typ in ((0, "nan"), (1, "inf")):
-            for i in np.flatnonzero(nonfinite[:, col]):
-                self._nonfinite_event(step, typ, kind, names[i], int(vecs[i, 7 + col]))
+        for typ, stat in (("nan", "nan_count"), ("inf", "inf_count")):
+            counts = stat_column(vecs, stat)
+            for i in np.flatnonzero(counts > 0):
+                self._nonfinite_event(step, typ, kind, names[i], int(counts[i]))
 
     def _nonfinite_event(
         self, step: int, typ: str, kind: Kind | None, name: str, count: int | None = None
@@ -602,14 +679,6 @@ class Recorder:
 
     def __repr__(self) -> str:
         return f"Recorder({self.url!r}, rows={self._writer.rows_committed})"
-
-
-def _spec_from_array(name: str, kind: Kind, a: np.ndarray) -> TensorSpec:
-    layer, role = split_name(name)
-    shape: list[int | None] = list(a.shape)
-    if kind == Kind.ACTIVATION and shape:
-        shape[0] = None
-    return TensorSpec(name=name, kind=kind, role=role, layer=layer, dtype=a.dtype.name, shape=shape)
 
 
 def _check_against_spec(spec: TensorSpec, a: np.ndarray, step: int) -> None:

@@ -24,7 +24,17 @@ from traintape.schema.names import (
     validate_name,
 )
 from traintape.schema.policy import ALL_KINDS, CapturePolicy, Kind
-from traintape.schema.stats import N_STATS, STAT_INDEX, STAT_NAMES
+from traintape.schema.stats import (
+    N_RAW,
+    N_STATS,
+    RAW_NAMES,
+    STAT_INDEX,
+    STAT_NAMES,
+    finalize,
+    merge,
+    merge_all,
+    stat_column,
+)
 from traintape.schema.version import (
     READABLE_MAJORS,
     SCHEMA_VERSION,
@@ -35,7 +45,9 @@ from traintape.schema.version import (
 __all__ = [
     "ALL_KINDS",
     "MANIFEST_ATTR",
+    "N_RAW",
     "N_STATS",
+    "RAW_NAMES",
     "READABLE_MAJORS",
     "SCHEMA_VERSION",
     "STAT_INDEX",
@@ -55,8 +67,12 @@ __all__ = [
     "WriterStats",
     "check_no_prefix_clash",
     "check_readable",
+    "finalize",
     "manifest_json_schema",
     "manifest_json_schema_text",
+    "merge",
+    "merge_all",
     "split_name",
+    "stat_column",
     "validate_name",
 ]

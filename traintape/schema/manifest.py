@@ -8,6 +8,7 @@ commit; everything it declares up to its :class:`CommitMark` is durable.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Literal
@@ -86,6 +87,54 @@ class TensorSpec(_Model):
     snapshot_shape: list[int] | None = Field(
         None, description="shape of each full snapshot (activations: the probe batch's shape)"
     )
+
+    @classmethod
+    def build(
+        cls,
+        name: str,
+        kind: Kind | str,
+        *,
+        dtype: str,
+        shape: Sequence[int | None],
+        layer_kind: str | None = None,
+        source_name: str | None = None,
+        source_shape: Sequence[int | None] | None = None,
+        permutation: Sequence[int] | None = None,
+        aliases: Sequence[str] = (),
+    ) -> TensorSpec:
+        """The one constructor adapters use: ``layer`` and ``role`` come from the name
+        (:func:`~traintape.schema.names.split_name`); for ``activation`` the leading
+        (batch) axis of ``shape`` and ``source_shape`` is set to None (stat vectors are
+        taken over whatever batch a step had). ``shape`` is canonical; ``source_shape``
+        the framework's (None: not given); ``permutation``: canonical =
+        source.transpose(permutation), None for identity."""
+        kind = Kind(kind)
+        layer, role = split_name(name)
+        shape_l: list[int | None] = [None if d is None else int(d) for d in shape]
+        src: list[int | None] | None = (
+            None if source_shape is None else [None if d is None else int(d) for d in source_shape]
+        )
+        if kind == Kind.ACTIVATION:
+            if shape_l:
+                shape_l[0] = None
+            if src:
+                src[0] = None
+        perm = None if permutation is None else [int(i) for i in permutation]
+        if perm is not None and perm == list(range(len(perm))):
+            perm = None
+        return cls(
+            name=name,
+            kind=kind,
+            role=role,
+            layer=layer,
+            layer_kind=layer_kind,
+            dtype=dtype,
+            shape=shape_l,
+            source_name=source_name,
+            source_shape=src,
+            permutation=perm,
+            aliases=list(aliases),
+        )
 
     @property
     def numel(self) -> int | None:

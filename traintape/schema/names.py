@@ -1,8 +1,8 @@
 """Canonical tensor names: the grammar every adapter must produce.
 
 A canonical name is a ``/``-separated module path followed by a role leaf, e.g.
-``encoder/layers/3/attn/q/kernel``. Segments match ``[A-Za-z0-9_-]+``; empty, ``.``
-and ``..`` segments are refused, so a name can never escape the store directory it
+``encoder/layers/3/attn/q/kernel``. Segments match ``[A-Za-z0-9_-]+`` and are at most
+200 characters long; empty, ``.`` and ``..`` segments are refused, so a name can never escape the store directory it
 names. Sequence indices are their own (integer) segment: ``layers/0/kernel``.
 """
 
@@ -17,6 +17,9 @@ from pydantic import AfterValidator
 SEGMENT_PATTERN = r"[A-Za-z0-9_-]+"
 _SEGMENT_RE = re.compile(rf"^{SEGMENT_PATTERN}$")
 NAME_PATTERN = rf"^{SEGMENT_PATTERN}(/{SEGMENT_PATTERN})*$"
+MAX_SEGMENT_LENGTH = 200
+"""Longest segment: each segment is a directory or object-key component of the store
+(filesystems refuse components over 255 bytes; some room is left for chunk keys)."""
 
 
 class InvalidNameError(ValueError):
@@ -38,6 +41,11 @@ def validate_name(name: str) -> str:
             raise InvalidNameError(f"canonical name {name!r}: segment {i} is empty")
         if seg in (".", ".."):
             raise InvalidNameError(f"canonical name {name!r}: segment {i} is {seg!r}")
+        if len(seg) > MAX_SEGMENT_LENGTH:
+            raise InvalidNameError(
+                f"canonical name {name[:80]!r}...: segment {i} is {len(seg)} characters long, "
+                f"more than {MAX_SEGMENT_LENGTH}"
+            )
         if not _SEGMENT_RE.match(seg):
             bad = sorted({c for c in seg if not re.match(r"[A-Za-z0-9_-]", c)})
             raise InvalidNameError(

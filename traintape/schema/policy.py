@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 from fnmatch import fnmatchcase
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -26,6 +27,26 @@ class Kind(StrEnum):
 
 
 ALL_KINDS: tuple[Kind, ...] = tuple(Kind)
+
+
+class StepPlan(BaseModel):
+    """What the policy asks for at one optimizer step (:meth:`CapturePolicy.plan`)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    step: int
+    kinds: frozenset[Kind] = Field(description="kinds whose stat vectors are recorded")
+    snapshot_kinds: frozenset[Kind] = Field(description="kinds written in full as well")
+
+    @property
+    def captures(self) -> bool:
+        return bool(self.kinds)
+
+    def wants(self, kind: Kind | str) -> bool:
+        return Kind(kind) in self.kinds
+
+    def snapshots(self, kind: Kind | str) -> bool:
+        return Kind(kind) in self.snapshot_kinds
 
 
 class CapturePolicy(BaseModel):
@@ -54,13 +75,29 @@ class CapturePolicy(BaseModel):
     include: tuple[str, ...] = Field(("*",), description="globs of canonical names to record")
     exclude: tuple[str, ...] = Field((), description="globs of canonical names to skip")
 
-    def captures(self, step: int) -> bool:
-        """True if stat vectors are recorded at optimizer step ``step``."""
+    def captures(self, step: Any) -> Any:
+        """True if stat vectors are recorded at optimizer step ``step`` (a Python int, or
+        a traced JAX/TF integer: then a traced boolean — the one formula for both)."""
         return step % self.every == 0
 
-    def is_full(self, step: int) -> bool:
-        """True if ``step`` is a full-capture (snapshot) step."""
-        return self.full_every is not None and step % self.full_every == 0
+    def is_full(self, step: Any) -> Any:
+        """True if ``step`` is a full-capture (snapshot) step (traced steps as above; a
+        policy without ``full_every`` gives False)."""
+        if self.full_every is None:
+            return False
+        return step % self.full_every == 0
+
+    def plan(self, step: int) -> StepPlan:
+        """What to record at optimizer step ``step`` (host-side int)."""
+        if not self.captures(step):
+            return StepPlan(step=step, kinds=frozenset(), snapshot_kinds=frozenset())
+        kinds = frozenset(self.kinds)
+        full = (
+            frozenset(k for k in self.snapshot_kinds if k in kinds)
+            if self.is_full(step)
+            else frozenset()
+        )
+        return StepPlan(step=step, kinds=kinds, snapshot_kinds=full)
 
     def records_kind(self, kind: Kind | str) -> bool:
         return Kind(kind) in self.kinds

@@ -1,10 +1,16 @@
-"""The stat vector: a fixed, schema-versioned list of per-tensor statistics.
+"""The stat vector and its algebra — the one place where statistics are defined.
 
-Every adapter computes these on the device, in this order, for every recorded tensor:
+Every backend (traintape's C kernel, XLA reductions, TensorFlow ops, torch ops) reduces
+a tensor to a **raw row**: the mergeable sufficient statistics of :data:`RAW_FIELDS`,
+float64, in that order. Raw rows of disjoint parts of one tensor (shards on devices or
+processes, micro-batches of a step) combine *exactly* with :func:`merge` — sums add,
+min/max take the extreme, ``m2`` uses Chan's parallel formula — and :func:`finalize`
+turns raw rows into the **stat vector** (:data:`STATS`), the per-tensor statistics a
+store holds (``stats/<kind>`` arrays, last axis in :data:`STAT_NAMES` order).
 
 ==========  ===============================================================
 mean        mean of the finite elements (NaN if there are none)
-std         population standard deviation of the finite elements
+std         population standard deviation of the finite elements (NaN if none)
 min         minimum finite element (NaN if none)
 max         maximum finite element (NaN if none)
 l2          sqrt(sum x^2) over the finite elements (0 if none)
@@ -15,24 +21,266 @@ inf_count   number of +Inf or -Inf elements
 ==========  ===============================================================
 
 NaN and Inf are counted, never stripped silently or allowed to poison the moments.
-``numel`` lives in the tensor spec (activations: per recorded row it is implied by the
-batch; see the spec's shape, whose leading ``None`` marks the batch axis).
+
+Adding a statistic: a statistic computed from the existing raw fields is one more
+:class:`Stat` in :data:`STATS` (nothing else changes: every backend emits raw rows and
+finalizes through :func:`finalize`); one that needs a new raw field also needs that
+field in every backend's reduction (``core/_fused_stats.c``, the XLA path
+``adapters/jax/stats.py``, ``adapters/tf/stats.py``, ``adapters/torch/stats.py``) —
+``tests/test_stats.py`` checks every backend against :func:`reference_raw_rows` field by
+field, so a backend that lacks it fails loudly. Stores record their ``stat_names``;
+readers look statistics up by name.
+
+Only numpy is used here (no other traintape module).
 """
 
 from __future__ import annotations
 
-from typing import Final
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Final
 
-STAT_NAMES: Final[tuple[str, ...]] = (
-    "mean",
-    "std",
-    "min",
-    "max",
-    "l2",
-    "abs_mean",
-    "zero_frac",
-    "nan_count",
-    "inf_count",
-)
-N_STATS: Final[int] = len(STAT_NAMES)
-STAT_INDEX: Final[dict[str, int]] = {name: i for i, name in enumerate(STAT_NAMES)}
+import numpy as np
+from numpy.typing import NDArray
+
+Array = NDArray[np.float64]
+
+
+class Merge(StrEnum):
+    """How a raw field of two disjoint parts combines."""
+
+    ADD = "add"
+    MIN = "min"
+    MAX = "max"
+    M2 = "m2"  # sum of squared deviations: Chan's parallel formula (needs nfinite, sum)
+
+
+@dataclass(frozen=True)
+class RawField:
+    """One column of a raw row."""
+
+    name: str
+    merge: Merge
+    empty: float
+    """Value for a tensor (or part) with no elements."""
+    doc: str
+
+
+RAW_FIELDS: Final[tuple[RawField, ...]] = (
+    RawField("numel", Merge.ADD, 0.0, "number of elements"),
+    RawField("nfinite", Merge.ADD, 0.0, "number of finite elements"),
+    RawField("sum", Merge.ADD, 0.0, "sum of the finite elements"),
+    RawField("m2", Merge.M2, 0.0, "sum of squared deviations of the finite elements from their mean"),
+    RawField("min", Merge.MIN, np.inf, "minimum finite element (+inf if none)"),
+    RawField("max", Merge.MAX, -np.inf, "maximum finite element (-inf if none)"),
+    RawField("sumsq", Merge.ADD, 0.0, "sum of squares of the finite elements"),
+    RawField("abs_sum", Merge.ADD, 0.0, "sum of |x| over the finite elements"),
+    RawField("zeros", Merge.ADD, 0.0, "number of elements equal to zero"),
+    RawField("nan", Merge.ADD, 0.0, "number of NaN elements"),
+)  # fmt: skip
+"""Raw-row layout shared by every backend (the C kernel's ``enum`` is checked against
+these names when it is loaded)."""
+
+RAW_NAMES: Final[tuple[str, ...]] = tuple(f.name for f in RAW_FIELDS)
+N_RAW: Final[int] = len(RAW_FIELDS)
+RAW_INDEX: Final[dict[str, int]] = {n: i for i, n in enumerate(RAW_NAMES)}
+COUNT_FIELDS: Final[tuple[str, ...]] = ("numel", "nfinite", "zeros", "nan")
+"""Raw fields that are element counts (exact integers; device backends that carry raw
+rows in float32 send these as int32 bit patterns)."""
+
+
+class Raw:
+    """Named read access to raw rows ``[..., N_RAW]``: ``Raw(rows).sum`` is a column."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self, rows: Array) -> None:
+        self.rows = rows
+
+    def __getattr__(self, name: str) -> Array:
+        try:
+            return self.rows[..., RAW_INDEX[name]]
+        except KeyError:
+            raise AttributeError(f"no raw field {name!r}; raw fields: {RAW_NAMES}") from None
+
+
+@dataclass(frozen=True)
+class Stat:
+    """One statistic of the stat vector: a formula over the raw fields."""
+
+    name: str
+    doc: str
+    formula: Callable[[Raw], Array]
+    when_empty: float | None
+    """Value when the tensor has no finite element (None: the formula's value stands)."""
+
+
+def _ratio(num: Array, den: Array) -> Array:
+    return num / np.where(den > 0, den, 1.0)
+
+
+STATS: Final[tuple[Stat, ...]] = (
+    Stat("mean", "mean of the finite elements", lambda r: _ratio(r.sum, r.nfinite), np.nan),
+    Stat(
+        "std",
+        "population standard deviation of the finite elements",
+        lambda r: np.sqrt(_ratio(np.maximum(r.m2, 0.0), r.nfinite)),
+        np.nan,
+    ),
+    Stat("min", "minimum finite element", lambda r: r.min, np.nan),
+    Stat("max", "maximum finite element", lambda r: r.max, np.nan),
+    Stat("l2", "sqrt(sum x^2) over the finite elements", lambda r: np.sqrt(r.sumsq), 0.0),
+    Stat("abs_mean", "mean |x| over the finite elements", lambda r: _ratio(r.abs_sum, r.nfinite), np.nan),
+    Stat(
+        "zero_frac",
+        "count(x == 0) / numel over all elements (NaN if numel == 0)",
+        lambda r: np.where(r.numel > 0, _ratio(r.zeros, r.numel), np.nan),
+        None,
+    ),
+    Stat("nan_count", "number of NaN elements", lambda r: r.nan, None),
+    Stat("inf_count", "number of +Inf or -Inf elements", lambda r: r.numel - r.nfinite - r.nan, None),
+)  # fmt: skip
+"""The stat vector, in store order."""
+
+STAT_NAMES: Final[tuple[str, ...]] = tuple(s.name for s in STATS)
+N_STATS: Final[int] = len(STATS)
+STAT_INDEX: Final[dict[str, int]] = {n: i for i, n in enumerate(STAT_NAMES)}
+
+
+def stat_column(vectors: Array, name: str, stat_names: Sequence[str] = STAT_NAMES) -> Array:
+    """Column ``name`` of stat vectors ``[..., len(stat_names)]`` (a store's own
+    ``stat_names`` when it was written with another set). Raises KeyError naming it."""
+    try:
+        i = list(stat_names).index(name)
+    except ValueError:
+        raise KeyError(f"no statistic {name!r}; this data has {list(stat_names)}") from None
+    return vectors[..., i]
+
+
+# ---------------------------------------------------------------------------- algebra
+def empty_raw(n: int) -> Array:
+    """Raw rows ``[n, N_RAW]`` of ``n`` tensors with no elements."""
+    return np.tile(np.array([f.empty for f in RAW_FIELDS], dtype=np.float64), (n, 1))
+
+
+def merge(a: Any, b: Any, xp: Any = np) -> Any:
+    """Raw rows ``[..., N_RAW]`` of the union of two disjoint parts of the same tensors.
+
+    Exact up to float64 rounding (Chan's formula for ``m2``); an empty part is neutral.
+    ``xp`` is the array namespace of ``a`` and ``b``: numpy (default), ``torch`` (device
+    merges of micro-batch rows) or ``jax.numpy`` — only ``+``, ``/``, ``*``, indexing and
+    ``xp.minimum/maximum/where/stack`` are used, so one definition serves every backend.
+    """
+    if xp is np:
+        a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    na, nb = a[..., RAW_INDEX["nfinite"]], b[..., RAW_INDEX["nfinite"]]
+    sa, sb = a[..., RAW_INDEX["sum"]], b[..., RAW_INDEX["sum"]]
+    cols = []
+    for i, f in enumerate(RAW_FIELDS):
+        ai, bi = a[..., i], b[..., i]
+        if f.merge is Merge.ADD:
+            cols.append(ai + bi)
+        elif f.merge is Merge.MIN:
+            cols.append(xp.minimum(ai, bi))
+        elif f.merge is Merge.MAX:
+            cols.append(xp.maximum(ai, bi))
+        else:  # M2: the parts' m2 plus the spread of their means
+            n = na + nb
+            delta = sb / xp.where(nb > 0, nb, 1.0) - sa / xp.where(na > 0, na, 1.0)
+            cross = delta * delta * (na * nb) / xp.where(n > 0, n, 1.0)
+            cols.append(ai + bi + xp.where((na > 0) & (nb > 0), cross, 0.0))
+    return xp.stack(cols, -1)
+
+
+def merge_all(parts: Array) -> Array:
+    """Merge raw rows ``[k, ..., N_RAW]`` of ``k`` disjoint parts, in order (deterministic)."""
+    parts = np.asarray(parts, dtype=np.float64)
+    if parts.shape[0] == 0:
+        return empty_raw(int(np.prod(parts.shape[1:-1], dtype=np.int64))).reshape(parts.shape[1:])
+    out = parts[0]
+    for p in parts[1:]:
+        out = merge(out, p)
+    return out
+
+
+def finalize(raw: Array) -> Array:
+    """Raw rows ``[..., N_RAW]`` → stat vectors ``[..., N_STATS]`` float64 (STAT_NAMES order)."""
+    raw = np.asarray(raw, dtype=np.float64)
+    if raw.shape[-1] != N_RAW:
+        raise ValueError(f"raw rows have {raw.shape[-1]} fields, expected {N_RAW} ({RAW_NAMES})")
+    r = Raw(raw)
+    none = r.nfinite == 0
+    out = np.empty((*raw.shape[:-1], N_STATS), dtype=np.float64)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        for i, s in enumerate(STATS):
+            v = s.formula(r)
+            out[..., i] = v if s.when_empty is None else np.where(none, s.when_empty, v)
+    return out
+
+
+# ---------------------------------------------------------------------------- reference
+_SMALL = 1 << 16  # arrays up to this size are reduced together (a handful of passes)
+
+
+def as_float(a: np.ndarray) -> np.ndarray:
+    """The values statistics are taken of: float32/float64 as they are; float16,
+    bfloat16, integers and booleans promoted to float32 (the same in every backend)."""
+    if a.dtype.kind == "f" and a.dtype.itemsize >= 4:
+        return a
+    if a.dtype.kind in "fiub" or a.dtype.name == "bfloat16":
+        return a.astype(np.float32)
+    raise TypeError(f"cannot take statistics of dtype {a.dtype.name}")
+
+
+def reference_raw(x: np.ndarray) -> Array:
+    """Raw row ``[N_RAW]`` of one array (any shape), float64 accumulation, two-pass m2."""
+    return reference_raw_rows([x])[0]
+
+
+def reference_raw_rows(arrays: Sequence[np.ndarray]) -> Array:
+    """Numpy reference: raw rows ``[len(arrays), N_RAW]`` float64 of host arrays.
+
+    Arrays up to 64k elements are concatenated and reduced with ``ufunc.reduceat`` (a
+    handful of passes whatever their number); larger ones one at a time.
+    """
+    out = empty_raw(len(arrays))
+    small = [i for i, a in enumerate(arrays) if 0 < np.size(a) <= _SMALL]
+    for i, a in enumerate(arrays):
+        if np.size(a) > _SMALL:
+            out[i] = _raw_rows_flat([as_float(np.asarray(a)).ravel()])[0]
+        elif np.size(a) == 0:
+            as_float(np.asarray(a))  # dtype check
+    if small:
+        out[small] = _raw_rows_flat([as_float(np.asarray(arrays[i])).ravel() for i in small])
+    return out
+
+
+def _raw_rows_flat(parts: list[np.ndarray]) -> Array:
+    sizes = np.array([p.size for p in parts], dtype=np.int64)
+    x = np.concatenate([p.astype(np.float64, copy=False) for p in parts])
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    finite = np.isfinite(x)
+    nfin = np.add.reduceat(finite, starts, dtype=np.float64)
+    xz = np.where(finite, x, 0.0)
+    s = np.add.reduceat(xz, starts)
+    mean = _ratio(s, nfin)
+    dev = np.where(finite, x - np.repeat(mean, sizes), 0.0)
+    cols = {
+        "numel": sizes.astype(np.float64),
+        "nfinite": nfin,
+        "sum": s,
+        "m2": np.add.reduceat(dev * dev, starts),
+        "min": np.minimum.reduceat(np.where(finite, x, np.inf), starts),
+        "max": np.maximum.reduceat(np.where(finite, x, -np.inf), starts),
+        "sumsq": np.add.reduceat(xz * xz, starts),
+        "abs_sum": np.add.reduceat(np.abs(xz), starts),
+        "zeros": np.add.reduceat(x == 0, starts, dtype=np.float64),
+        "nan": np.add.reduceat(np.isnan(x), starts, dtype=np.float64),
+    }
+    return np.stack([cols[n] for n in RAW_NAMES], axis=1)
+
+
+def reference_stats(arrays: Sequence[np.ndarray]) -> Array:
+    """Stat vectors ``[len(arrays), N_STATS]`` of host arrays with the numpy reference."""
+    return finalize(reference_raw_rows(arrays))

@@ -4,7 +4,7 @@
  * Operands: any number of float32/float64 buffers (XLA passes them as they are: on the
  * CPU backend device memory is host memory, so nothing is copied). Result: one buffer
  * of [n, RAW] doubles (declared as uint32 [n, 2 * RAW] so that it needs no float64
- * support in JAX), the mergeable raw rows of traintape.core.fused.RAW_NAMES.
+ * support in JAX), the mergeable raw rows of traintape.schema.stats.RAW_NAMES.
  *
  * Execution: the blocks of all operands are spread over XLA:CPU's own intra-op thread
  * pool (XLA_FFI_ThreadPool_Schedule, one task per pool thread, each taking GRAIN blocks

@@ -11,7 +11,7 @@ steps no tensor leaves the device.
 Ordered callbacks arrive in program order, also across ``jax.lax.scan``/``fori_loop``
 iterations and with several devices (ordered ``io_callback`` is supported there, unlike
 ``jax.debug.callback(ordered=True)``), so the host assigns steps correctly. The callback
-hands the small arrays to ``Recorder.record_stats`` (itself an enqueue into the open
+hands the small arrays to ``Recorder.record_raw`` (itself an enqueue into the open
 row; the store writer thread does the I/O, see :class:`Pump`);
 ``Recorder.close()``/``flush()`` first run ``jax.effects_barrier()`` so every dispatched
 step's callback has fired (see :func:`pump_for`).
@@ -34,7 +34,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from traintape.core import Recorder
-from traintape.schema import Kind
+from traintape.schema import CapturePolicy, Kind
 
 from .names import Leaf, specs_for
 from .stats import device_stats
@@ -43,7 +43,7 @@ from .stats import device_stats
 class Pump:
     """Applies host-side records in callback order, in the callback's thread.
 
-    ``Recorder.record_stats`` is itself an enqueue (it fills the open row; the store
+    ``Recorder.record_raw`` is itself an enqueue (it fills the open row; the store
     writer thread does the I/O), so applying it synchronously keeps the callback short
     *and* guarantees that once a step's outputs are ready on the host, its records are
     in the recorder — a following ``rec.log(t + 1, ...)`` from the training loop can
@@ -203,9 +203,9 @@ def emit(
         s = auto.next() if auto is not None and step_v is None else int(step_v)
 
         def apply() -> None:  # in the pump: a failure stops capture, never the step
-            st = decode(np.asarray(stats_v))
+            raw = decode(np.asarray(stats_v))
             snaps = pending.take(s, shipped) if shipped is not None else None
-            _apply(recorder, s, kinds, names, sizes, st, snaps, snap_groups)
+            _apply(recorder, s, kinds, names, sizes, raw, snaps, snap_groups)
 
         pump.put(apply)
 
@@ -218,8 +218,7 @@ def emit(
     if not snap_groups:
         io_callback(host, None, step_a, stats, ordered=True)
         return
-    full_every = int(policy.full_every or 1)
-    shipped = _ship_snapshots(step_a, full_every, groups, snap_groups, arrays, pending)
+    shipped = _ship_snapshots(step_a, policy, groups, snap_groups, arrays, pending)
     io_callback(host, None, step_a, stats, shipped, ordered=True)
 
 
@@ -259,13 +258,13 @@ class _Snapshots:
 
 def _ship_snapshots(
     step: jax.Array,
-    full_every: int,
+    policy: CapturePolicy,
     groups: Sequence[Group],
     snap_groups: Sequence[int],
     arrays: Sequence[Sequence[jax.Array]],
     pending: _Snapshots,
 ) -> jax.Array:
-    """On full-capture steps (``step % full_every == 0``, decided on the device) send the
+    """On full-capture steps (``policy.is_full(step)``, decided on the device) send the
     snapshot tensors to ``pending``, one callback per leaf under its own ``lax.cond``.
 
     Returns an int32 vector (1 per leaf shipped) that the step's stats callback takes as
@@ -276,7 +275,7 @@ def _ship_snapshots(
     faults per step on the benchmark's 11M-param MLP (``benchmarks/jax_overhead.py``).
     A group whose snapshots come from a function (the probe batch's activations) runs it
     inside one cond, on full-capture steps only."""
-    full = step % full_every == 0
+    full = policy.is_full(step)
     flags: list[jax.Array] = []
     out = jax.ShapeDtypeStruct((), jnp.int32)
 
@@ -308,10 +307,12 @@ def _apply(
     kinds: list[Kind],
     names: list[tuple[str, ...]],
     sizes: list[int],
-    stats: np.ndarray,
+    raw: np.ndarray,
     snaps: list[np.ndarray] | None,
     snap_groups: list[int],
 ) -> None:
+    """Hand one step's raw rows (and snapshots) to the recorder, one kind at a time
+    (the recorder applies the policy)."""
     off = 0
     snap_off = 0
     for i, (kind, nm, n) in enumerate(zip(kinds, names, sizes, strict=True)):
@@ -319,8 +320,5 @@ def _apply(
         if snaps is not None and i in snap_groups:
             snapshots = dict(zip(nm, snaps[snap_off : snap_off + n], strict=True))
             snap_off += n
-        if recorder.wants(step, kind):
-            if snapshots is not None and not recorder.policy.snapshots(step, kind):
-                snapshots = None
-            recorder.record_stats(step, kind, stats[off : off + n], names=nm, snapshots=snapshots)
+        recorder.record_raw(step, kind, raw[off : off + n], names=nm, snapshots=snapshots)
         off += n

@@ -1,13 +1,14 @@
-"""The schema stat vector computed inside the caller's compiled computation.
+"""Raw rows of the stat algebra computed inside the caller's compiled computation.
 
-Two implementations, chosen per trace by :func:`stats_mode`:
+Two implementations, chosen per trace by :func:`stats_mode`; both give the mergeable raw
+rows of :mod:`traintape.schema.stats`, which the recorder finalizes on the host:
 
 - ``kernel`` (CPU backend, the default there): :mod:`.ffi_kernel` — traintape's fused
-  single-pass C kernel as an XLA custom call; one read of each leaf; the result is the
-  raw-row matrix, finalised on the host.
-- ``xla`` (GPU/TPU, or no C compiler): :func:`stat_matrix` — XLA reductions per leaf
+  single-pass C kernel as an XLA custom call; one read of each leaf.
+- ``xla`` (GPU/TPU, or no C compiler): :func:`raw_matrix` — XLA reductions per leaf
   (sum, shifted sum of squares, sum |x|, min, max, nonzero count; see
-  :func:`stat_matrix` for the NaN/Inf path), stacked into one ``[n, 9]`` float32 array.
+  :func:`raw_matrix` for the NaN/Inf path), stacked into one ``[n, N_RAW]`` float32
+  array whose count columns carry int32 bit patterns.
 
 Either way, one small matrix per step crosses to the host (:func:`device_stats` returns
 it with its host-side decoder). Costs are measured in ``benchmarks/jax_overhead.py``.
@@ -22,7 +23,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from traintape.schema import N_STATS
+from traintape.schema.stats import (
+    COUNT_FIELDS,
+    N_RAW,
+    RAW_FIELDS,
+    RAW_INDEX,
+    RAW_NAMES,
+    finalize,
+)
 
 _BIG = 3.4e38  # |x| * _BIG >= 1 for every normal float32 x != 0: min(|x| * _BIG, 1) counts nonzeros
 
@@ -60,20 +68,22 @@ def _fast_sums(x: jax.Array) -> list[jax.Array]:
     return out
 
 
-def _vector(x: jax.Array, fin: jax.Array | None) -> jax.Array:
-    """Stat vector of flat float32 ``x``; ``fin`` masks finite elements (None: all are)."""
+def _raw(x: jax.Array, fin: jax.Array | None) -> dict[str, jax.Array]:
+    """Raw fields of flat float32 ``x`` by name (float32 values, int32 counts); ``fin``
+    masks finite elements (None: all are)."""
     n = x.size
     if fin is None:
         s, s2, sabs, mn, mx, nonzero = _fast_sums(x)
-        nf = jnp.float32(n)
-        nnan = jnp.float32(0)
+        nf = jnp.int32(n)
+        nnan = jnp.int32(0)
+        zeros = (n - jnp.round(nonzero)).astype(jnp.int32)
         shift = x[0]
     else:
         xf = jnp.where(fin, x, 0.0)
         shift = xf[0]
-        nf = jnp.sum(fin, dtype=jnp.int32).astype(jnp.float32)
-        nnan = jnp.sum(jnp.isnan(x), dtype=jnp.int32).astype(jnp.float32)
-        nonzero = jnp.sum(jnp.where(x == 0, 0.0, 1.0))
+        nf = jnp.sum(fin, dtype=jnp.int32)
+        nnan = jnp.sum(jnp.isnan(x), dtype=jnp.int32)
+        zeros = jnp.sum(x == 0, dtype=jnp.int32)
         d = jnp.where(fin, x - shift, 0.0)
         s = jnp.sum(d)
         s2 = jnp.sum(d * d)
@@ -81,28 +91,36 @@ def _vector(x: jax.Array, fin: jax.Array | None) -> jax.Array:
         mn = _min(jnp.where(fin, x, jnp.inf))
         mx = _max(jnp.where(fin, x, -jnp.inf))
     # s, s2: sums of d = x - c, c = the first (finite) element: no float32 cancellation
-    # when |mean| >> std
-    safe = jnp.maximum(nf, 1.0)
-    dm = s / safe
-    mean = shift + dm
-    var = jnp.maximum(s2 / safe - dm * dm, 0.0)
-    # sum x^2 = sum (d + c)^2 = s2 + 2 c s + n c^2
-    l2sq = jnp.maximum(s2 + shift * (2.0 * s + nf * shift), 0.0)
-    none = nf == 0
-    nan = jnp.float32(jnp.nan)
-    return jnp.stack(
-        [
-            jnp.where(none, nan, mean),
-            jnp.where(none, nan, jnp.sqrt(var)),
-            jnp.where(none, nan, mn),
-            jnp.where(none, nan, mx),
-            jnp.sqrt(l2sq),
-            jnp.where(none, nan, sabs / safe),
-            (n - nonzero) / n,
-            nnan,
-            n - nf - nnan,
-        ]
-    )
+    # when |mean| >> std.  m2 = s2 - s^2/n;  sum x = s + n c;  sum x^2 = s2 + 2 c s + n c^2
+    nff = nf.astype(jnp.float32)
+    safe = jnp.maximum(nff, 1.0)
+    return {
+        "numel": jnp.int32(n),
+        "nfinite": nf,
+        "sum": s + nff * shift,
+        "m2": jnp.maximum(s2 - s * s / safe, 0.0),
+        "min": mn,
+        "max": mx,
+        "sumsq": jnp.maximum(s2 + shift * (2.0 * s + nff * shift), 0.0),
+        "abs_sum": sabs,
+        "zeros": zeros,
+        "nan": nnan,
+    }
+
+
+def _row(fields: dict[str, jax.Array]) -> jax.Array:
+    """Raw fields → one float32 row in RAW_NAMES order; counts travel as int32 bit
+    patterns (exact for any tensor below 2**31 elements; see :func:`decode_raw`)."""
+    missing = [n for n in RAW_NAMES if n not in fields]
+    if missing:
+        raise NotImplementedError(f"traintape.jax XLA stats: raw fields {missing} not computed")
+    cols = []
+    for name in RAW_NAMES:
+        v = fields[name]
+        if name in COUNT_FIELDS:
+            v = jax.lax.bitcast_convert_type(jnp.asarray(v, jnp.int32), jnp.float32)
+        cols.append(jnp.asarray(v, jnp.float32))
+    return jnp.stack(cols)
 
 
 def _flat32(x: jax.Array) -> jax.Array:
@@ -110,40 +128,66 @@ def _flat32(x: jax.Array) -> jax.Array:
     return x if x.dtype == jnp.float32 else x.astype(jnp.float32)
 
 
-_EMPTY = (jnp.nan, jnp.nan, jnp.nan, jnp.nan, 0.0, jnp.nan, jnp.nan, 0.0, 0.0)
+def _empty_row() -> jax.Array:
+    fields = {f.name: jnp.float32(f.empty) for f in RAW_FIELDS}
+    fields.update({n: jnp.int32(0) for n in COUNT_FIELDS})
+    return _row(fields)
 
 
-def stat_matrix(arrays: Sequence[jax.Array]) -> jax.Array:
-    """Stat vectors of many arrays, ``[len(arrays), 9]`` float32, one device array.
+def raw_matrix(arrays: Sequence[jax.Array]) -> jax.Array:
+    """Raw rows of many arrays, ``[len(arrays), N_RAW]`` float32 (counts as int32 bits:
+    decode with :func:`decode_raw`), one device array.
 
     Fast path (every element of every array finite, detected from the results
-    themselves): per array, sum, sum of squares shifted by the first element (avoids
+    themselves): per array, sum and sum of squares shifted by the first element (avoids
     float32 cancellation when |mean| >> std), sum |x|, min, max and a nonzero count —
     about six memory passes, no ``isfinite`` mask. If any result is non-finite, one
     ``lax.cond`` for the whole matrix recomputes with explicit masks (counts NaN/Inf,
     moments over the finite elements).
     """
     if not arrays:
-        return jnp.zeros((0, N_STATS), jnp.float32)
+        return jnp.zeros((0, N_RAW), jnp.float32)
     flat = [_flat32(a) for a in arrays]
 
     def compute(masked: bool) -> jax.Array:
         rows = [
-            jnp.array(_EMPTY, jnp.float32)
-            if x.size == 0
-            else _vector(x, jnp.isfinite(x) if masked else None)
+            _empty_row() if x.size == 0 else _row(_raw(x, jnp.isfinite(x) if masked else None))
             for x in flat
         ]
         return jnp.stack(rows)
 
     fast = compute(False)
     nonempty = [i for i, x in enumerate(flat) if x.size]
-    ok = jnp.all(jnp.isfinite(fast[jnp.array(nonempty, jnp.int32), :6])) if nonempty else True
+    moments = jnp.array([RAW_INDEX[n] for n in ("sum", "m2", "min", "max", "sumsq", "abs_sum")])
+    ok = (
+        jnp.all(jnp.isfinite(fast[jnp.array(nonempty, jnp.int32)][:, moments]))
+        if nonempty
+        else True
+    )
     return jax.lax.cond(ok, lambda: fast, lambda: compute(True))
 
 
-def stat_vector(x: jax.Array) -> jax.Array:
-    """Stat vector ``[9]`` float32 of one array (see :func:`stat_matrix`)."""
+def decode_raw(m: np.ndarray) -> np.ndarray:
+    """Host side of :func:`raw_matrix`: ``[n, N_RAW]`` float32 → raw rows float64."""
+    m32 = np.ascontiguousarray(m, dtype=np.float32).reshape(-1, N_RAW)
+    out = m32.astype(np.float64)
+    for name in COUNT_FIELDS:
+        i = RAW_INDEX[name]
+        out[:, i] = m32[:, i].view(np.int32)
+    return out
+
+
+def stat_matrix(arrays: Sequence[jax.Array]) -> np.ndarray:
+    """Stat vectors ``[len(arrays), N_STATS]`` float64 of concrete arrays via the XLA
+    path (raw rows by a jitted :func:`raw_matrix`, finalized on the host)."""
+    return finalize(decode_raw(np.asarray(_jit_raw_matrix(list(arrays)))))
+
+
+_jit_raw_matrix = jax.jit(raw_matrix)
+
+
+def stat_vector(x: jax.Array) -> np.ndarray:
+    """Stat vector ``[N_STATS]`` of one concrete array (see :func:`stat_matrix`)."""
     return stat_matrix([x])[0]
 
 
@@ -151,7 +195,7 @@ STATS_MODES = ("auto", "xla", "kernel")
 
 
 def stats_mode() -> str:
-    """Where the stat vectors of a computation being traced are computed: ``xla`` or
+    """Where the raw rows of a computation being traced are computed: ``xla`` or
     ``kernel``.
 
     ``TRAINTAPE_JAX_STATS=auto|xla|kernel`` (default ``auto``). ``auto`` picks
@@ -181,15 +225,12 @@ def device_stats(
     """Stats of ``arrays`` inside the computation being traced, plus the host decoder.
 
     Returns ``(payload, decode)``: ``payload`` is the small device array to send to the
-    host (``[n, 9]`` float32 or the kernel's raw rows), and ``decode(np.asarray(payload))``
-    gives the stat vectors ``[n, 9]`` float64 in schema order.
+    host (the raw rows of :func:`raw_matrix`, or the FFI kernel's), and
+    ``decode(np.asarray(payload))`` gives the raw rows ``[n, N_RAW]`` float64 of
+    :mod:`traintape.schema.stats` (finalized by the recorder).
     """
     if stats_mode() == "kernel":
         from . import ffi_kernel
 
         return ffi_kernel.raw_rows(arrays), ffi_kernel.decode
-    return stat_matrix(arrays), _decode_matrix
-
-
-def _decode_matrix(m: np.ndarray) -> np.ndarray:
-    return np.asarray(m, dtype=np.float64).reshape(-1, N_STATS)
+    return raw_matrix(arrays), decode_raw

@@ -192,8 +192,8 @@ class Callback(keras.callbacks.Callback):
         self._stash.clear()
         if not items:
             return []
-        rec.declare([activation_spec(n, lay, k, t.dtype.name, t.shape.as_list())
-                     for n, lay, k, t in items])  # fmt: skip
+        rec.declare([activation_spec(n, k, t.dtype.name, t.shape.as_list())
+                     for n, _, k, t in items])  # fmt: skip
         tensors = [t for *_, t in items]
         names = [n for n, *_ in items]
         return [Group(Kind.ACTIVATION, names, lambda: tensors, snapshot=False,

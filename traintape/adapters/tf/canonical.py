@@ -72,25 +72,19 @@ def from_canonical(
 
 def entry_spec(e: Entry, kind: Kind | str) -> TensorSpec:
     """The TensorSpec of a parameter-layout tensor (param/grad/update) of ``e``."""
-    return TensorSpec(
-        name=e.name,
-        kind=Kind(kind),
-        role=e.role,
-        layer=e.layer,
+    return TensorSpec.build(
+        e.name,
+        kind,
         layer_kind=e.layer_kind,
         dtype=tf.as_dtype(e.variable.dtype).name,
-        shape=list(e.shape),
+        shape=e.shape,
         source_name=e.source_name,
-        source_shape=None if e.source_shape is None else list(e.source_shape),
-        permutation=None,
+        source_shape=e.source_shape,
     )
 
 
 def activation_spec(
-    name: str, layer: str, layer_kind: str | None, dtype: str, shape: Sequence[int | None]
+    name: str, layer_kind: str | None, dtype: str, shape: Sequence[int | None]
 ) -> TensorSpec:
     """The TensorSpec of an activation ``<layer>/output`` (batch axis ``None``)."""
-    return TensorSpec(
-        name=name, kind=Kind.ACTIVATION, role="output", layer=layer, layer_kind=layer_kind,
-        dtype=dtype, shape=[None, *list(shape)[1:]],
-    )  # fmt: skip
+    return TensorSpec.build(name, Kind.ACTIVATION, layer_kind=layer_kind, dtype=dtype, shape=shape)

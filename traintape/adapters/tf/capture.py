@@ -2,10 +2,10 @@
 
 Everything that touches tensors is written once for both modes:
 
-- eagerly, the step is a Python int, ``Recorder.wants`` decides and stats are computed
-  by TF ops then fetched;
-- inside ``tf.function`` the step is a tensor: ``step % every == 0`` gates a
-  ``tf.cond`` whose true branch computes every stat vector in the graph and hands
+- eagerly, the step is a Python int, ``Recorder.wants`` decides and raw rows are
+  computed (host kernel or TF ops) then handed to ``Recorder.record_raw``;
+- inside ``tf.function`` the step is a tensor: ``CapturePolicy.captures(step)`` gates a
+  ``tf.cond`` whose true branch computes every raw row in the graph and hands
   them (plus full tensors on full-capture steps only) to the host in **one**
   ``tf.numpy_function`` call per emission.
 
@@ -26,7 +26,7 @@ import tensorflow as tf
 from traintape.core.recorder import Recorder
 from traintape.schema import Kind
 
-from .stats import host_stat_matrices, host_stats_enabled, stat_matrix
+from .stats import host_raw_matrices, host_stats_enabled, raw_matrix
 
 _log = logging.getLogger("traintape")
 TensorsFn = Callable[[], Sequence[Any]]
@@ -71,14 +71,14 @@ def _host(
             for g in groups:
                 parts.append(arrays[k : k + len(g.names)])
                 k += len(g.names)
-            mats = host_stat_matrices(parts)  # one kernel call for the whole step
+            mats = host_raw_matrices(parts)  # one kernel call for the whole step
             for g, sn, part, st in zip(groups, snap, parts, mats, strict=True):
                 snaps: Mapping[str, np.ndarray] | None = None
                 if sn and rec.policy.snapshots(s, g.kind):
                     snaps = {x: np.array(a, copy=True) for x, a in zip(g.names, part, strict=True)}
                 elif g.host_snapshots is not None and rec.policy.snapshots(s, g.kind):
                     snaps = g.host_snapshots(s)
-                rec.record_stats(s, g.kind, st, names=g.names, snapshots=snaps)
+                rec.record_raw(s, g.kind, st, names=g.names, snapshots=snaps)
             return
         stats, rest = arrays[:n], list(arrays[n:])
         for g, st, sn in zip(groups, stats, snap, strict=True):
@@ -90,7 +90,7 @@ def _host(
                 snaps = g.host_snapshots(s)
             if not rec.policy.snapshots(s, kind):
                 snaps = None
-            rec.record_stats(s, kind, st, names=nm, snapshots=snaps)
+            rec.record_raw(s, kind, st, names=nm, snapshots=snaps)
 
     return fn
 
@@ -109,9 +109,9 @@ def _emit_eager(rec: Recorder, step: int, groups: Sequence[Group]) -> None:
     groups = [g for g in groups if rec.wants(step, g.kind)]
     tensors = [list(g.fn()) for g in groups]
     if host_stats_enabled():
-        mats = host_stat_matrices(tensors)  # one fused kernel call for the whole step
+        mats = host_raw_matrices(tensors)  # one fused kernel call for the whole step
     else:
-        mats = [stat_matrix(ts).numpy() for ts in tensors]
+        mats = [raw_matrix(ts).numpy() for ts in tensors]
     for g, ts, stats in zip(groups, tensors, mats, strict=True):
         snaps = None
         if g.snapshot and rec.policy.snapshots(step, g.kind):
@@ -120,7 +120,7 @@ def _emit_eager(rec: Recorder, step: int, groups: Sequence[Group]) -> None:
             snaps = {
                 n: np.asarray(tf.convert_to_tensor(t)) for n, t in zip(g.names, ts, strict=True)
             }
-        rec.record_stats(step, g.kind, stats, names=g.names, snapshots=snaps)
+        rec.record_raw(step, g.kind, stats, names=g.names, snapshots=snaps)
 
 
 def _emit_graph(rec: Recorder, step: tf.Tensor, groups: Sequence[Group]) -> tf.Tensor:
@@ -135,7 +135,7 @@ def _emit_graph(rec: Recorder, step: tf.Tensor, groups: Sequence[Group]) -> tf.T
             flat_all = [t for ts in tensors for t in ts]
             host = _host(rec, groups, snap, on_host=True)
             return tf.numpy_function(host, [step, *flat_all], tf.int64, stateful=True)
-        stats = [stat_matrix(ts) for ts in tensors]
+        stats = [raw_matrix(ts) for ts in tensors]
         plain = _host(rec, groups, [False] * len(groups))
 
         def stats_only() -> tf.Tensor:
@@ -149,9 +149,9 @@ def _emit_graph(rec: Recorder, step: tf.Tensor, groups: Sequence[Group]) -> tf.T
         def with_full() -> tf.Tensor:
             return tf.numpy_function(full, [step, *stats, *flat], tf.int64, stateful=True)
 
-        return tf.cond(tf.equal(step % pol.full_every, 0), with_full, stats_only)
+        return tf.cond(pol.is_full(step), with_full, stats_only)
 
-    return tf.cond(tf.equal(step % pol.every, 0), taken, lambda: tf.constant(0, tf.int64))
+    return tf.cond(pol.captures(step), taken, lambda: tf.constant(0, tf.int64))
 
 
 def selected(rec: Recorder, entries: Sequence[Any]) -> list[Any]:

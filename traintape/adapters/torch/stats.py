@@ -5,10 +5,11 @@ Stats are computed in two stages:
 1. :func:`raw_stats` (on the tensors' device, no host sync in the common case) gives a
    *mergeable* ``[n, RAW]`` float64 matrix per tensor: numel, finite count, sum, M2
    (sum of squared deviations from the mean), min, max, sum of squares, sum of |x|,
-   zero count and NaN count (all over finite elements, except numel/zeros/NaN). Rows of
-   several micro-batches are combined with :func:`merge_raw` (Chan's parallel formula).
-2. :func:`finalize` (host, numpy) turns the raw matrix into the schema's stat vectors
-   ``[n, N_STATS]`` (see :mod:`traintape.schema.stats`).
+   zero count and NaN count (all over finite elements, except numel/zeros/NaN) — the
+   raw-row layout of :mod:`traintape.schema.stats`. Rows of several micro-batches are
+   combined on the host with :func:`traintape.schema.stats.merge` (Chan's formula).
+2. :func:`traintape.schema.stats.finalize` (host, numpy) turns raw rows into the
+   schema's stat vectors ``[n, N_STATS]``.
 
 Batching: tensors with at most ``SMALL`` elements are concatenated into one flat buffer
 and reduced with ``torch.segment_reduce`` (a fixed handful of calls whatever their
@@ -18,7 +19,7 @@ one-pass std (M2 = Σx² − (Σx)²/n in float64). NaN/Inf in a large tensor is
 its (batched) L2 norm; only then are those tensors recomputed with finite masks. The
 check is one boolean read per call (free on CPU; one tiny sync per call on CUDA).
 
-CPU: when the fused C kernel of :mod:`traintape.core.fused` is available (it compiles
+CPU: when the fused C kernel (:mod:`traintape.core.stats`) is available (it compiles
 on first use), CPU tensors skip all of the above: their zero-copy ``numpy()`` views go
 through one single-pass kernel call (one memory pass per tensor, float64 accumulation,
 ~1-2x the cost of a plain ``sum`` pass), returning the same raw rows. The torch paths
@@ -37,11 +38,13 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from traintape.core import fused
+from traintape.core import native
+from traintape.core import stats as host_stats
+from traintape.schema.stats import N_RAW, RAW_INDEX, RAW_NAMES, finalize
 
 SMALL = 1 << 16
-# the raw-row layout is core's (traintape.core.fused), so rows merge/finalize there too
-from traintape.core.fused import M2, MAX, MIN, NFIN, RAW, SUM  # noqa: E402
+RAW = N_RAW
+MIN, MAX = RAW_INDEX["min"], RAW_INDEX["max"]
 
 
 def _as_float(t: torch.Tensor) -> torch.Tensor:
@@ -55,6 +58,15 @@ def empty_raw(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     out[:, MIN] = float("inf")
     out[:, MAX] = float("-inf")
     return out
+
+
+def _stack(dim: int = 1, **cols: torch.Tensor) -> torch.Tensor:
+    """Raw-row columns given by name, stacked in :data:`RAW_NAMES` order (a raw field
+    this module does not compute fails here, naming it)."""
+    missing = [n for n in RAW_NAMES if n not in cols]
+    if missing:
+        raise NotImplementedError(f"traintape.torch stats: raw fields {missing} not computed")
+    return torch.stack([cols[n] for n in RAW_NAMES], dim=dim)
 
 
 def _small_raw(xs: list[torch.Tensor]) -> torch.Tensor:
@@ -72,19 +84,18 @@ def _small_raw(xs: list[torch.Tensor]) -> torch.Tensor:
     s = seg(xz)
     mean = torch.where(nfin > 0, s / nfin.clamp(min=1), 0.0)
     dev = torch.where(fin, flat - torch.repeat_interleave(mean, lengths), 0.0)
-    cols = [
-        lengths.to(torch.float64),
-        nfin,
-        s,
-        seg(dev * dev),
-        seg(torch.where(fin, flat, float("inf")), "min"),
-        seg(torch.where(fin, flat, float("-inf")), "max"),
-        seg(xz * xz),
-        seg(xz.abs()),
-        seg((flat == 0).to(torch.float64)),
-        seg(torch.isnan(flat).to(torch.float64)),
-    ]
-    return torch.stack(cols, dim=1)
+    return _stack(
+        numel=lengths.to(torch.float64),
+        nfinite=nfin,
+        sum=s,
+        m2=seg(dev * dev),
+        min=seg(torch.where(fin, flat, float("inf")), "min"),
+        max=seg(torch.where(fin, flat, float("-inf")), "max"),
+        sumsq=seg(xz * xz),
+        abs_sum=seg(xz.abs()),
+        zeros=seg((flat == 0).to(torch.float64)),
+        nan=seg(torch.isnan(flat).to(torch.float64)),
+    )
 
 
 def _masked_raw(x: torch.Tensor) -> torch.Tensor:
@@ -97,19 +108,18 @@ def _masked_raw(x: torch.Tensor) -> torch.Tensor:
     mean = torch.where(nfin > 0, s / nfin.clamp(min=1), 0.0)
     dev = torch.where(fin, xz - mean, 0.0)
     inf = torch.tensor(float("inf"), dtype=x.dtype, device=x.device)
-    return torch.stack(
-        [
-            torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device),
-            nfin,
-            s,
-            (dev * dev).sum(),
-            torch.where(fin, x, inf).amin().to(torch.float64),
-            torch.where(fin, x, -inf).amax().to(torch.float64),
-            (xz * xz).sum(),
-            xz.abs().sum(),
-            (x == 0).sum().to(torch.float64),
-            torch.isnan(x).sum().to(torch.float64),
-        ]
+    return _stack(
+        numel=torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device),
+        nfinite=nfin,
+        sum=s,
+        m2=(dev * dev).sum(),
+        min=torch.where(fin, x, inf).amin().to(torch.float64),
+        max=torch.where(fin, x, -inf).amax().to(torch.float64),
+        sumsq=(xz * xz).sum(),
+        abs_sum=xz.abs().sum(),
+        zeros=(x == 0).sum().to(torch.float64),
+        nan=torch.isnan(x).sum().to(torch.float64),
+        dim=0,
     )
 
 
@@ -125,7 +135,10 @@ def _large_raw(xs: list[torch.Tensor]) -> torch.Tensor:
     n = torch.tensor([float(x.numel()) for x in xs], dtype=torch.float64, device=l2.device)
     sumsq = l2 * l2
     m2 = (sumsq - s * s / n).clamp(min=0.0)
-    out = torch.stack([n, n, s, m2, mn, mx, sumsq, l1, n - nz, torch.zeros_like(n)], dim=1)
+    out = _stack(
+        numel=n, nfinite=n, sum=s, m2=m2, min=mn, max=mx, sumsq=sumsq, abs_sum=l1,
+        zeros=n - nz, nan=torch.zeros_like(n),
+    )  # fmt: skip
     bad = ~torch.isfinite(l2)
     if bool(bad.any()):  # rare: NaN/Inf present (or sum of squares overflowed)
         for i in torch.nonzero(bad).flatten().tolist():
@@ -139,14 +152,14 @@ def _fused_ok() -> bool:
     compiler = getattr(torch, "compiler", None)
     if compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling():
         return False
-    return fused.available()
+    return native.fused_available()
 
 
 def _fused_cpu_raw(xs: list[torch.Tensor]) -> torch.Tensor:
     """Raw rows of CPU float tensors through the fused single-pass C kernel (zero-copy
     ``Tensor.numpy()`` views; non-contiguous tensors are made contiguous first)."""
     arrays = [(x if x.is_contiguous() else x.contiguous()).numpy() for x in xs]
-    raw = fused.fused_raw(arrays, nthreads=torch.get_num_threads())
+    raw = host_stats.raw_rows(arrays, nthreads=torch.get_num_threads())
     return torch.from_numpy(raw)
 
 
@@ -173,25 +186,6 @@ def raw_stats(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
         idx = torch.tensor(large, device=device)
         out.index_copy_(0, idx, _large_raw([xs[i] for i in large]))
     return out
-
-
-def merge_raw(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Combine raw rows of the same tensors over two disjoint sets of elements."""
-    na, nb = a[:, NFIN], b[:, NFIN]
-    n = na + nb
-    safe = n.clamp(min=1)
-    delta = b[:, SUM] / nb.clamp(min=1) - a[:, SUM] / na.clamp(min=1)
-    cross = torch.where((na > 0) & (nb > 0), delta * delta * na * nb / safe, 0.0)
-    out = a + b
-    out[:, M2] = a[:, M2] + b[:, M2] + cross
-    out[:, MIN] = torch.minimum(a[:, MIN], b[:, MIN])
-    out[:, MAX] = torch.maximum(a[:, MAX], b[:, MAX])
-    return out
-
-
-def finalize(raw: np.ndarray) -> np.ndarray:
-    """Raw rows (host) → stat vectors ``[n, N_STATS]`` float64 in schema order."""
-    return fused.finalize_raw(raw)
 
 
 def to_host(raw: torch.Tensor) -> np.ndarray:

@@ -82,6 +82,7 @@ from traintape.adapters.torch.names import (
 from traintape.core.naming import NameMap, canonical_name
 from traintape.core.recorder import Recorder
 from traintape.schema import Kind, TensorSpec
+from traintape.schema.stats import merge
 
 ADAPTER = "traintape.torch"
 
@@ -132,18 +133,16 @@ def opt_state_field(optimizer: torch.optim.Optimizer, key: str) -> str:
 
 
 def _spec(e: ParamEntry, kind: Kind) -> TensorSpec:
-    return TensorSpec(
-        name=e.name,
-        kind=kind,
-        role=e.role,
-        layer=e.layer,
+    return TensorSpec.build(
+        e.name,
+        kind,
         layer_kind=e.layer_kind,
         dtype=numpy_dtype_name(e.tensor().dtype),
-        shape=list(e.shape),
+        shape=e.shape,
         source_name=e.source_name,
-        source_shape=list(e.source_shape),
-        permutation=list(e.permutation) if e.permutation is not None else None,
-        aliases=list(e.aliases),
+        source_shape=e.source_shape,
+        permutation=e.permutation,
+        aliases=e.aliases,
     )
 
 
@@ -509,18 +508,15 @@ class WatchHandle:
             source = f"{e.source_name}:{key}"
             name = canonical_name([e.name, field], None, source)
             leaves.append(_OptStateLeaf(e, key, name, v.dtype))
-            specs.append(
-                TensorSpec(
-                    name=name,
-                    kind=Kind.OPT_STATE,
-                    role=field,
-                    layer=e.name,  # as the JAX adapter: the parameter is the "layer"
-                    layer_kind=None,
+            specs.append(  # as in the JAX adapter, the parameter is the "layer"
+                TensorSpec.build(
+                    name,
+                    Kind.OPT_STATE,
                     dtype=numpy_dtype_name(v.dtype),
-                    shape=list(e.shape),
+                    shape=e.shape,
                     source_name=source,
-                    source_shape=list(e.source_shape),
-                    permutation=list(e.permutation) if e.permutation is not None else None,
+                    source_shape=e.source_shape,
+                    permutation=e.permutation,
                 )
             )
         self.rec.declare(specs)
@@ -545,7 +541,7 @@ class WatchHandle:
         for i, (site, _) in enumerate(stash):
             row = raw[i : i + 1]
             prev = self._act_raw.get(site.name)
-            self._act_raw[site.name] = row if prev is None else S.merge_raw(prev, row)
+            self._act_raw[site.name] = row if prev is None else merge(prev, row, torch)
 
     def _declare_activations(self) -> None:
         """Declare the activations seen this step, in the order their forward hooks
@@ -553,20 +549,17 @@ class WatchHandle:
         specs = []
         for name, (site, mod, out) in self._act_shapes.items():
             perm = activation_permutation(mod, out)
-            src = [None, *out.shape[1:]]
-            shape = src if perm is None else [src[i] for i in perm]
+            src = list(out.shape)
             specs.append(
-                TensorSpec(
-                    name=name,
-                    kind=Kind.ACTIVATION,
-                    role="output",
-                    layer=site.layer,
+                TensorSpec.build(
+                    name,
+                    Kind.ACTIVATION,
                     layer_kind=site.layer_kind,
                     dtype=numpy_dtype_name(out.dtype),
-                    shape=shape,
+                    shape=src if perm is None else [src[i] for i in perm],
                     source_name=f"{site.source_name}:output",
                     source_shape=src,
-                    permutation=list(perm) if perm is not None else None,
+                    permutation=perm,
                 )
             )
         self.rec.declare(specs)
@@ -612,16 +605,16 @@ class WatchHandle:
             mats = [m for _, _, m in blocks]
             if len({m.device for m in mats}) > 1:
                 mats = [m.cpu() for m in mats]
-            vecs = S.finalize(S.to_host(torch.cat(mats) if len(mats) > 1 else mats[0]))
+            raw = S.to_host(torch.cat(mats) if len(mats) > 1 else mats[0])
             rows: dict[Kind, tuple[list[str], list[np.ndarray]]] = {}
             start = 0
             for (k, names, _), m in zip(blocks, mats, strict=True):
                 kn, kv = rows.setdefault(k, ([], []))
                 kn.extend(names)
-                kv.append(vecs[start : start + m.shape[0]])
+                kv.append(raw[start : start + m.shape[0]])
                 start += m.shape[0]
             for k, (kn, kv) in rows.items():
-                self.rec.record_stats(t, k, np.concatenate(kv), names=kn, snapshots=snaps.get(k))
+                self.rec.record_raw(t, k, np.concatenate(kv), names=kn, snapshots=snaps.get(k))
         self.step_index = t + 1
         self._boundary()
 
