@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from traintape.schema import N_STATS, Kind, Manifest, StoreLayout
+from traintape.schema.names import split_name
 
 STEPS = "steps"
 STATS = "stats"
@@ -160,7 +161,7 @@ def snapshot_metadata(
     DataTree can open a layer group whose kernel and bias differ in shape.
     """
     dt = np.dtype(dtype)
-    leaf = name.rpartition("/")[2]
+    leaf = split_name(name)[1]
     inner = inner_chunk(shape, dt.itemsize, layout.snapshot_chunk_bytes)
     shard = [math.ceil(max(s, 1) / c) * c for s, c in zip(shape, inner, strict=True)]
     return {

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from traintape.schema.names import CanonicalName, check_no_prefix_clash, split_name
 from traintape.schema.policy import CapturePolicy, Kind
+from traintape.schema.roles import LayerKind
 from traintape.schema.stats import STAT_NAMES
 from traintape.schema.version import SCHEMA_VERSION, parse_version
 
@@ -72,7 +73,7 @@ class TensorSpec(_Model):
     kind: Kind
     role: str = Field(description="leaf role: kernel, bias, scale, embedding, running_mean, ...")
     layer: str = Field("", description="module path of the owning layer ('' at the root)")
-    layer_kind: str | None = Field(
+    layer_kind: LayerKind | None = Field(
         None, description="canonical layer type: dense, conv, embedding, layer_norm, ..."
     )
     dtype: str = Field(description="numpy dtype name of the canonical tensor, e.g. 'float32'")
@@ -96,7 +97,7 @@ class TensorSpec(_Model):
         *,
         dtype: str,
         shape: Sequence[int | None],
-        layer_kind: str | None = None,
+        layer_kind: LayerKind | str | None = None,
         source_name: str | None = None,
         source_shape: Sequence[int | None] | None = None,
         permutation: Sequence[int] | None = None,
@@ -127,7 +128,7 @@ class TensorSpec(_Model):
             kind=kind,
             role=role,
             layer=layer,
-            layer_kind=layer_kind,
+            layer_kind=layer_kind,  # validated against LayerKind
             dtype=dtype,
             shape=shape_l,
             source_name=source_name,

@@ -28,7 +28,7 @@ is z, r, h and is permuted to r, z, n by its adapter.
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, Literal, get_args
 
 KERNEL: Final = "kernel"
 BIAS: Final = "bias"
@@ -59,9 +59,14 @@ ATTENTION: Final = "attention"
 LSTM: Final = "lstm"
 GRU: Final = "gru"
 
-LAYER_KINDS: Final[frozenset[str]] = frozenset(
-    {DENSE, CONV, EMBED, LAYER_NORM, RMS_NORM, GROUP_NORM, BATCH_NORM, ATTENTION, LSTM, GRU}
-)
+LayerKind = Literal[
+    "dense", "conv", "embedding", "layer_norm", "rms_norm", "group_norm", "batch_norm",
+    "attention", "lstm", "gru",
+]  # fmt: skip
+"""The closed set of canonical layer kinds (``TensorSpec.layer_kind``)."""
+
+LAYER_KINDS: Final[frozenset[str]] = frozenset(get_args(LayerKind))
+assert {DENSE, CONV, EMBED, LAYER_NORM, RMS_NORM, GROUP_NORM, BATCH_NORM, ATTENTION, LSTM, GRU} == LAYER_KINDS
 
 LSTM_GATES: Final[tuple[str, ...]] = ("i", "f", "g", "o")
 GRU_GATES: Final[tuple[str, ...]] = ("r", "z", "n")

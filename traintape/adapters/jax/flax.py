@@ -30,6 +30,7 @@ from traintape.core.naming import (
     lookup_layer_kind,
     split_indexed,
 )
+from traintape.schema.names import split_name
 from traintape.schema.roles import ATTENTION, canonical_role
 
 from .names import raw_segments
@@ -89,7 +90,7 @@ class Activations:
         """(canonical layer path, source name) of a module path."""
         source = "/".join(str(p) for p in (*path, "output"))
         name = canonical_name([*_segments(path), "output"], self.name_map, source)
-        return name.rsplit("/", 1)[0] if "/" in name else "", source
+        return split_name(name)[0], source
 
     def kind(self, path: tuple[Any, ...], module: Any) -> tuple[str | None, bool]:
         """(layer kind, whether the user named it) of the module at ``path``."""
@@ -114,9 +115,9 @@ class Activations:
 
     def layers_kinds(self) -> dict[str, str | None]:
         """Layer path → kind of every layer seen (activations and state)."""
-        out = {n.rsplit("/", 1)[0] if "/" in n else "": k for n, (_, k, _) in self.items.items()}
+        out = {split_name(n)[0]: k for n, (_, k, _) in self.items.items()}
         for n, (_, k, _) in self.state.items():
-            out.setdefault(n.rsplit("/", 1)[0], k)
+            out.setdefault(split_name(n)[0], k)
         out.update({k: v for k, v in self.layer_kinds.items() if "*" not in k and "?" not in k})
         return out
 

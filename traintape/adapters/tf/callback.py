@@ -26,6 +26,7 @@ import tensorflow as tf
 from traintape.core.naming import NameMap, canonical_name
 from traintape.core.recorder import Recorder
 from traintape.schema import Kind
+from traintape.schema.names import split_name
 
 from .canonical import activation_spec
 from .capture import Group
@@ -99,7 +100,7 @@ class Callback(keras.callbacks.Callback):
                 if isinstance(layer, keras.layers.MultiHeadAttention):
                     # its tensors live on the q/k/v/o sub-layers; the output is the layer's
                     self._wrap(layer, name, "attention")
-                elif layer_name in owners or name.rpartition("/")[0] in owners:
+                elif layer_name in owners or split_name(name)[0] in owners:
                     kind = next((e.layer_kind for e in entries if e.layer == layer_name), None)
                     self._wrap(layer, name, kind)
             obs.extra.append(self._activation_groups)
@@ -170,7 +171,7 @@ class Callback(keras.callbacks.Callback):
                     old = stash.get(name)
                     if old is not None and _graph_of(old[2]) is not _graph_of(t):
                         del stash[name]  # left from another trace: re-enter in call order
-                    stash[name] = (name.rpartition("/")[0], kind, t)
+                    stash[name] = (split_name(name)[0], kind, t)
             return out
 
         object.__setattr__(layer, "call", call)

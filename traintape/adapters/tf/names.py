@@ -69,6 +69,7 @@ from numpy.typing import NDArray
 
 from traintape.core.naming import NameMap, canonical_name
 from traintape.schema import roles as R
+from traintape.schema.names import split_name
 
 try:  # Keras 3 internal class of functional models
     from keras.src.models.functional import Functional as _Functional
@@ -254,7 +255,7 @@ def _entries_for_layer(layer: Any, path: list[str], name_map: NameMap) -> list[E
     def make(segs: list[str], role: str, var: Any, kind: str | None, **kw: Any) -> Entry:
         src = kw.pop("source_name", var.path)
         name = canonical_name([*segs, role], name_map, source_name=src)
-        lay, _, rl = name.rpartition("/")
+        lay, rl = split_name(name)
         tr: Transform = kw.pop("transform", Transform())
         shape = tuple(tr.np(np.zeros(tuple(var.shape), dtype=np.int8)).shape)
         return Entry(name=name, variable=var, role=rl, layer=lay, layer_kind=kind, shape=shape,
@@ -363,8 +364,8 @@ def variable_entries(
             path = getattr(v, "path", None) or v.name
             segs = _fallback_segments(path, None)
             name = canonical_name(segs, name_map, path)
-            es = [Entry(name=name, variable=v, role=name.rpartition("/")[2],
-                        layer=name.rpartition("/")[0], layer_kind=None,
+            es = [Entry(name=name, variable=v, role=split_name(name)[1],
+                        layer=split_name(name)[0], layer_kind=None,
                         shape=tuple(int(d) for d in v.shape), source_name=path)]  # fmt: skip
         out.append(es)
     return out

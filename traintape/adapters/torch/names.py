@@ -59,6 +59,7 @@ from torch import nn
 
 from traintape.core.naming import NameMap, canonical_name
 from traintape.schema import roles as R
+from traintape.schema.names import split_name
 
 _BATCH_NORMS = (nn.modules.batchnorm._BatchNorm,)
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -227,7 +228,7 @@ class _Builder:
         e = ParamEntry(
             name=name,
             role=role,
-            layer=name.rpartition("/")[0],
+            layer=split_name(name)[0],
             layer_kind=layer_kind,
             module=mod,
             attr=attr,
@@ -244,7 +245,7 @@ class _Builder:
         if any(s.module is mod for s in self.sites):
             return
         name = canonical_name([*segs, R.OUTPUT], self.name_map, f"{path}:output")
-        layer = name.rpartition("/")[0]
+        layer = split_name(name)[0]
         self.sites.append(ActivationSite(name, layer, layer_kind, mod, path or "<root>"))
 
 
