@@ -1,0 +1,222 @@
+"""The stat algebra (traintape.schema.stats) is the one definition every backend follows.
+
+- every backend's raw rows equal the numpy reference, field by field (a backend that
+  lacks a raw field fails here, naming it);
+- ``merge`` of the raw rows of disjoint parts equals the raw row of the whole, in
+  numpy, torch and jax.numpy;
+- a statistic derived from the raw fields is added by editing that one module, and it
+  flows from every adapter to the store and the reader.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from traintape.schema.stats import (
+    COUNT_FIELDS,
+    RAW_INDEX,
+    RAW_NAMES,
+    finalize,
+    merge,
+    merge_all,
+    reference_raw_rows,
+    reference_stats,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cases() -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    big = rng.normal(2.0, 3.0, size=(300, 257)).astype(np.float32)
+    bad = rng.normal(size=70_000).astype(np.float32)
+    bad[[3, 9]] = np.nan
+    bad[[5]] = np.inf
+    bad[[7, 8]] = 0.0
+    return [
+        rng.normal(size=(7, 5)).astype(np.float32),
+        np.array([1.0, np.nan, 0.0, -np.inf, 3.0], np.float32),
+        np.full(3, np.nan, np.float32),
+        np.zeros(4, np.float32),
+        big,
+        bad,
+        (1000 + 1e-3 * rng.normal(size=5000)).astype(np.float32),
+    ]
+
+
+def _check(got: np.ndarray, want: np.ndarray, backend: str, rtol: float) -> None:
+    assert got.shape == want.shape, f"{backend}: shape {got.shape} != {want.shape}"
+    for name in RAW_NAMES:
+        i = RAW_INDEX[name]
+        g, w = got[:, i], want[:, i]
+        if name in COUNT_FIELDS:
+            np.testing.assert_array_equal(g, w, err_msg=f"{backend}: raw field {name}")
+        elif name == "m2":  # float32 one-pass paths: relative to the spread actually present
+            np.testing.assert_allclose(
+                g, w, rtol=1e-3, atol=1e-3 * np.nanmax(np.abs(w)), err_msg=f"{backend}: m2"
+            )
+        else:
+            scale = np.where(np.isfinite(w), np.abs(w), 0.0)
+            np.testing.assert_allclose(
+                g, w, rtol=rtol, atol=rtol * (1 + scale.max()), err_msg=f"{backend}: {name}"
+            )
+
+
+def test_host_kernel_raw_rows_equal_reference() -> None:
+    from traintape.core.stats import raw_rows
+
+    xs = _cases()
+    _check(raw_rows(xs), reference_raw_rows(xs), "host kernel", 1e-6)
+
+
+def test_jax_backends_raw_rows_equal_reference(monkeypatch) -> None:
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from traintape.adapters.jax import ffi_kernel
+    from traintape.adapters.jax.stats import decode_raw, raw_matrix
+
+    xs = _cases()
+    want = reference_raw_rows(xs)
+    got = decode_raw(np.asarray(jax.jit(raw_matrix)([jnp.asarray(x) for x in xs])))
+    _check(got, want, "jax xla", 1e-4)
+    if ffi_kernel.available():
+        rows = jax.jit(ffi_kernel.raw_rows)([jnp.asarray(x) for x in xs])
+        _check(ffi_kernel.decode(np.asarray(rows)), want, "jax ffi kernel", 1e-6)
+
+
+def test_torch_backends_raw_rows_equal_reference(monkeypatch) -> None:
+    torch = pytest.importorskip("torch")
+    from traintape.adapters.torch import stats as TS
+
+    xs = _cases()
+    want = reference_raw_rows(xs)
+    _check(TS.raw_stats([torch.from_numpy(x) for x in xs]).numpy(), want, "torch cpu", 1e-6)
+    monkeypatch.setattr(TS, "_fused_ok", lambda: False)  # the torch-ops path (CUDA's)
+    _check(TS.raw_stats([torch.from_numpy(x) for x in xs]).numpy(), want, "torch ops", 2e-5)
+
+
+def test_tf_backends_raw_rows_equal_reference() -> None:
+    tf = pytest.importorskip("tensorflow")
+    from traintape.adapters.tf.stats import host_raw_matrices, raw_matrix
+
+    xs = _cases()
+    want = reference_raw_rows(xs)
+    _check(raw_matrix([tf.constant(x) for x in xs]).numpy(), want, "tf ops", 2e-5)
+    _check(host_raw_matrices([[tf.constant(x) for x in xs]])[0], want, "tf host", 1e-6)
+
+
+@pytest.mark.parametrize("namespace", ["numpy", "torch", "jax"])
+def test_merge_of_parts_equals_whole(namespace: str) -> None:
+    rng = np.random.default_rng(1)
+    whole = rng.normal(3.0, 2.0, size=10_001)
+    whole[[10, 20]] = np.nan
+    whole[30] = -np.inf
+    whole[40:45] = 0.0
+    cuts = [0, 1, 2, 500, 500, 7000, 10_001]  # includes an empty part
+    parts = reference_raw_rows([whole[a:b] for a, b in itertools.pairwise(cuts)])
+    want = reference_raw_rows([whole])[0]
+    if namespace == "numpy":
+        got = merge_all(parts[:, None, :])[0]
+    elif namespace == "torch":
+        torch = pytest.importorskip("torch")
+        t = torch.from_numpy(parts)
+        acc = t[0]
+        for p in t[1:]:
+            acc = merge(acc, p, torch)
+        got = acc.numpy()
+    else:
+        pytest.importorskip("jax")
+        import jax.numpy as jnp
+        from jax import config
+
+        config.update("jax_enable_x64", True)
+        try:
+            acc = jnp.asarray(parts[0])
+            for p in parts[1:]:
+                acc = merge(acc, jnp.asarray(p), jnp)
+            got = np.asarray(acc)
+        finally:
+            config.update("jax_enable_x64", False)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-9)
+    np.testing.assert_allclose(finalize(got), reference_stats([whole])[0], rtol=1e-12)
+
+
+def test_a_derived_statistic_is_added_by_editing_one_module(tmp_path: Path) -> None:
+    """Copy the package, add ``rms`` to STATS in schema/stats.py only, and record with the
+    plain Recorder, the JAX adapter and the torch adapter: the store and the reader carry
+    the new statistic with the right values."""
+    pytest.importorskip("jax")
+    pytest.importorskip("torch")
+    pkg = tmp_path / "src" / "traintape"
+    shutil.copytree(ROOT / "traintape", pkg, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    stats_py = pkg / "schema" / "stats.py"
+    src = stats_py.read_text()
+    anchor = """    Stat("inf_count", "number of +Inf or -Inf elements", lambda r: r.numel - r.nfinite - r.nan, None),
+)"""
+    assert anchor in src
+    src = src.replace(
+        anchor,
+        anchor[:-1]
+        + '    Stat("rms", "root mean square", lambda r: np.sqrt(_ratio(r.sumsq, r.nfinite)), np.nan),\n)',
+    )
+    stats_py.write_text(src)
+    script = textwrap.dedent(
+        """
+        import json, sys
+        # the copy, not the editable install of the checkout
+        sys.meta_path[:] = [f for f in sys.meta_path
+                            if not type(f).__module__.startswith("__editable__")]
+        sys.path.insert(0, sys.argv[3])
+        import numpy as np
+        import jax, jax.numpy as jnp, torch
+        import traintape, traintape.jax as tj, traintape.torch as tt
+        assert traintape.__file__.startswith(sys.argv[1]), traintape.__file__
+        assert traintape.STAT_NAMES[-1] == "rms"
+        out = {}
+        x = np.arange(1, 7, dtype=np.float32).reshape(2, 3)
+        with traintape.Recorder(sys.argv[2] + "/plain") as rec:
+            rec.record(0, "param", {"w": x})
+        run = traintape.open_run(sys.argv[2] + "/plain")
+        out["plain"] = [float(run.stats("param")["rms"][0]), float(np.sqrt((x**2).mean()))]
+        rec = traintape.Recorder(sys.argv[2] + "/jax")
+        vg = tj.value_and_grad(lambda p: jnp.sum(p["w"] ** 2), recorder=rec)
+        _, g = jax.jit(vg)({"w": jnp.asarray(x)})
+        rec.close()
+        df = traintape.open_run(sys.argv[2] + "/jax").stats("grad")
+        out["jax"] = [float(df["rms"][0]), float(np.sqrt((np.asarray(g["w"]) ** 2).mean()))]
+        m = torch.nn.Linear(3, 2)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        with traintape.Recorder(sys.argv[2] + "/torch") as rec, tt.watch(m, rec, optimizer=opt):
+            m(torch.ones(4, 3)).sum().backward()
+            g = m.weight.grad.clone()
+            opt.step()
+        df = traintape.open_run(sys.argv[2] + "/torch").stats("grad")
+        got = float(df[df.tensor == "kernel"]["rms"].iloc[0])
+        out["torch"] = [got, float(g.pow(2).mean().sqrt())]
+        print(json.dumps(out))
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "src")}
+    res = subprocess.run(
+        [sys.executable, "-c", script, str(pkg), str(tmp_path / "runs"), str(tmp_path / "src")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    import json
+
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    for backend, (got, want) in out.items():
+        assert got == pytest.approx(want, rel=1e-5), backend
