@@ -109,7 +109,7 @@ def test_cli_compare_exit_codes_and_json(runs):
 
 
 def test_forward_order_is_a_hint_not_a_difference(tmp_path):
-    """Linen/torch/Keras stores carry user['forward_order'], NNX ones may not: equal data
+    """Linen/torch/Keras stores carry forward_order, NNX ones may not: equal data
     with and without it compares identical; two different orders give a note."""
 
     def rec(url: str, user: dict) -> str:

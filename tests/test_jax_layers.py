@@ -137,7 +137,7 @@ def test_layer_kinds_make_a_custom_attention_one_layer(mem_url: str) -> None:
     assert kinds[(Kind.UPDATE, "ln/scale")] == "layer_norm"
     assert kinds[(Kind.UPDATE, "attn/o/kernel")] == "dense"
     # Linen reports layers in the order they ran
-    assert run.manifest.user["forward_order"] == ["inp", "ln", "attn", "head"]
+    assert run.manifest.forward_order == ["inp", "ln", "attn", "head"]
 
 
 def test_layer_kinds_rejects_an_unknown_kind(mem_url: str) -> None:
@@ -171,7 +171,7 @@ def test_nnx_attention_and_gru_layer_kinds(mem_url: str) -> None:
     kinds = {(s.kind, s.name): s.layer_kind for s in run.manifest.tensors}
     assert kinds[(Kind.PARAM, "rnn/kernel_ih")] == "gru"
     assert kinds[(Kind.ACTIVATION, "rnn/output")] == "gru"
-    assert "forward_order" not in run.manifest.user  # NNX cannot know the call order
+    assert run.manifest.forward_order is None  # NNX cannot know the call order
 
 
 def test_sync_hook_failure_is_raised_after_close_commits(mem_url: str) -> None:

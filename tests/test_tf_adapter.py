@@ -307,7 +307,7 @@ def test_fit_callback_same_names_for_all_model_styles() -> None:
         seen[style] = names
         assert "bn/running_mean" in names["param"] and "bn/running_mean" not in names["grad"]
         assert names["activation"] == ["bn/output", "fc1/output", "fc2/output"]
-        assert run.manifest.user["forward_order"] == ["fc1", "bn", "fc2"]  # call order
+        assert run.manifest.forward_order == ["fc1", "bn", "fc2"]  # call order
         # θ_0 is the initial weights (running stats before batch 0 included)
         for n in ("fc1/kernel", "bn/running_var", "bn/running_mean"):
             np.testing.assert_array_equal(run.snapshot(n, "param", 0), w0[n])

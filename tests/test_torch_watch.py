@@ -382,5 +382,5 @@ def test_activations_declared_in_forward_order(mem_url, with_probe):
         model(torch.randn(5, 3)).sum().backward()
         opt.step()
     run = traintape.open_run(mem_url)
-    assert run.manifest.user["forward_order"] == ["body", "norm", "head"]
+    assert run.manifest.forward_order == ["body", "norm", "head"]
     assert run.tensor_names("activation") == ["body/output", "head/output", "norm/output"]

@@ -1,7 +1,7 @@
 """Shared helpers of the analyses: layer grouping, forward order, per-layer norm series.
 
 Forward order: a store holds tensors in sorted canonical order. Where the producer knows
-the order in which layers run, it may store it as ``manifest.user["forward_order"]`` (a
+the order in which layers run, it may store it as ``manifest.forward_order`` (a
 list of layer paths or tensor names). Otherwise layers are ordered *naturally* by their
 path (integer segments compare as numbers, so ``layers/2`` runs before ``layers/10``),
 which is the forward order of the usual ``layers/<i>`` / ``block_<i>`` naming.
@@ -152,7 +152,7 @@ def layer_of(name: str) -> str:
 
 def forward_rank(run: Run) -> dict[str, int]:
     """Map layer path (and tensor name, when given so) → position in forward order."""
-    user = run.manifest.user.get("forward_order") if run.manifest.user else None
+    user = run.manifest.forward_order
     layers = sorted({layer_of(s.name) for s in run.manifest.tensors}, key=natural_key)
     rank: dict[str, int] = {}
     if isinstance(user, Sequence) and not isinstance(user, str):

@@ -7,7 +7,7 @@
   manifest differences outside ``producer``, ``run_id``, ``created_at``, ``updated_at``,
   ``writer``, ``status``, ``events`` (and the commit mark's bookkeeping, which only
   restates the step/snapshot sets). Physical ``layout`` choices (chunking, compression)
-  are reported as notes and do not make runs differ, as is ``user["forward_order"]``.
+  are reported as notes and do not make runs differ, as is ``forward_order``.
 - **numeric** differences per (tensor, kind) over the common steps: max absolute and max
   relative error of the stat vectors and of the snapshots, the minimum cosine similarity of
   snapshots, and the first step at which the tensor leaves tolerance; metrics likewise.
@@ -183,8 +183,8 @@ def _structure(ra: Run, rb: Run, out: list[StructuralDiff], notes: list[str]) ->
     db = mb.model_dump(mode="json")
     # forward_order is an ordering hint adapters write when they know it (Linen, torch,
     # Keras; not NNX): equivalent models may have it on one side only
-    fa = (da.get("user") or {}).pop("forward_order", None)
-    fb = (db.get("user") or {}).pop("forward_order", None)
+    fa = da.pop("forward_order", None)
+    fb = db.pop("forward_order", None)
     if fa is not None and fb is not None and fa != fb:
         notes.append(f"forward order differs: {fa} vs {fb}")
     for key in sorted(set(da) | set(db)):

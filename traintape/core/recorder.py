@@ -220,9 +220,10 @@ class Recorder:
         a different set is an error naming the tensors that differ.
 
         Forward order: adapters declare ``activation`` specs in the order the layers ran
-        (``in_forward_order=False`` when they cannot know it). Unless the user set
-        ``user["forward_order"]``, the first such activation declaration stores that order
-        of layer paths there (the analyses and ``compare`` order layers by it).
+        (``in_forward_order=False`` when they cannot know it). Unless the user set it
+        (``Recorder(user={"forward_order": [...]})``), the first such activation
+        declaration stores that order of layer paths as ``manifest.forward_order`` (the
+        analyses and ``compare`` order layers by it).
 
         Layer kinds: a layer's kind is a property of the layer, not of the kind of data.
         A spec declared with ``layer_kind=None`` takes the kind already declared for the
@@ -244,10 +245,10 @@ class Recorder:
                 if (
                     kind == Kind.ACTIVATION
                     and in_forward_order
-                    and "forward_order" not in self._manifest.user
+                    and self._manifest.forward_order is None
                 ):
                     layers = dict.fromkeys(s.layer for s in ks)
-                    self._manifest.user["forward_order"] = list(layers)
+                    self._manifest.forward_order = list(layers)
                 ordered = self._harmonise_layer_kinds(sorted(ks, key=lambda s: s.name))
                 self._manifest.tensors = sorted(
                     [*self._manifest.tensors, *ordered],

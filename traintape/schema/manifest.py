@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from traintape.schema.migrate import migrate
 from traintape.schema.names import CanonicalName, check_no_prefix_clash, split_name
 from traintape.schema.policy import CapturePolicy, Kind
 from traintape.schema.roles import LayerKind
@@ -234,7 +235,24 @@ class Manifest(_Model):
     events: list[Event] = Field(default_factory=list)
     commit: CommitMark = Field(default_factory=CommitMark)
     writer: WriterStats = Field(default_factory=WriterStats)
+    forward_order: list[str] | None = Field(
+        None,
+        description="layer paths (or tensor names) in the order the forward pass runs them, "
+        "when the adapter knows it (Linen, torch, Keras) or the user gives it; a hint for "
+        "ordering analyses, not content (compare does not count it as a difference)",
+    )
     user: dict[str, Any] = Field(default_factory=dict, description="free-form run metadata")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _migrate(cls, data: Any) -> Any:
+        data = migrate(data)
+        if isinstance(data, dict) and isinstance(data.get("user"), dict):
+            user = data["user"]
+            if "forward_order" in user and data.get("forward_order") is None:
+                user = dict(user)  # user=dict(forward_order=...) is the typed field
+                data = {**data, "user": user, "forward_order": user.pop("forward_order")}
+        return data
 
     @field_validator("schema_version")
     @classmethod

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Final
 
-SCHEMA_VERSION: Final[str] = "1.0.0"
-"""Semver of the store format this build writes."""
+SCHEMA_VERSION: Final[str] = "1.1.0"
+"""Semver of the store format this build writes (older 1.x manifests are migrated on
+read: :mod:`traintape.schema.migrate`)."""
 
 READABLE_MAJORS: Final[tuple[int, ...]] = (1,)
 """Major versions this build reads (older majors would be migrated here)."""

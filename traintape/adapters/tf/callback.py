@@ -182,7 +182,7 @@ class Callback(keras.callbacks.Callback):
 
         The stash is in layer call order (outputs enter it as the layers return), so
         the specs are declared in forward order (the recorder keeps it as
-        ``manifest.user["forward_order"]``).
+        ``manifest.forward_order``).
         """
         rec = self.recorder
         graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()

@@ -42,7 +42,7 @@ Activations: forward hooks on every parametrised module stash the (detached) out
 their stats are reduced in one batched call per micro-batch and merged over the
 micro-batches of the step (stats over the whole batch). Forward passes run with grad
 disabled (evaluation) are ignored. They are declared to the recorder in the order the
-forward hooks first fired (the recorder derives ``manifest.user["forward_order"]`` from
+forward hooks first fired (the recorder derives ``manifest.forward_order`` from
 it). Full snapshots of activations are taken only for a fixed ``probe`` input on
 full-capture steps, at the step boundary: the model is run on it in ``eval()`` mode
 under ``torch.no_grad()`` with θ_t (no RNG use, no BatchNorm update), and the outputs

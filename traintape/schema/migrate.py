@@ -1,0 +1,45 @@
+"""Migrations of manifest documents written by older readable schema versions.
+
+:func:`migrate` is applied to every manifest document before validation (the
+:class:`~traintape.schema.Manifest` model calls it), so readers always see the current
+model; a store resumed by this build is rewritten in the current version.
+
+==========  ===============================================================
+1.0.0       ``forward_order`` lived in the free-form ``user`` dict
+1.1.0       ``forward_order`` is a typed manifest field; ``layer_kind`` is the closed
+            set of :data:`~traintape.schema.roles.LayerKind`; canonical name segments
+            are at most 200 characters
+==========  ===============================================================
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from traintape.schema.version import SCHEMA_VERSION, parse_version
+
+
+def migrate(doc: Any) -> Any:
+    """Return manifest document ``doc`` (a JSON object) in the current schema version.
+
+    Documents that are not objects, or carry no parseable version, are returned as they
+    are (validation then reports what is wrong with them).
+    """
+    if not isinstance(doc, dict):
+        return doc
+    version = doc.get("schema_version")
+    try:
+        v = parse_version(version) if isinstance(version, str) else None
+    except ValueError:
+        v = None
+    if v is None or v >= parse_version(SCHEMA_VERSION):
+        return doc
+    out = dict(doc)
+    if v < (1, 1, 0):
+        user = dict(out.get("user") or {})
+        order = user.pop("forward_order", None)
+        out["user"] = user
+        if out.get("forward_order") is None and order is not None:
+            out["forward_order"] = [str(x) for x in order]
+    out["schema_version"] = SCHEMA_VERSION
+    return out
