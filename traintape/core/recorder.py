@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 from pydantic import ValidationError
 
 from traintape.core.errors import (
@@ -58,8 +59,6 @@ from traintape.schema import (
     validate_name,
 )
 from traintape.schema.policy import StepPlan
-
-ArrayLike = Any
 
 
 def default_producer(**fields: Any) -> Producer:

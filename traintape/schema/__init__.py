@@ -3,6 +3,7 @@
 Pure data and validation; imports nothing else from traintape.
 """
 
+from traintape.schema.kinds import ALL_KINDS, Kind
 from traintape.schema.manifest import (
     MANIFEST_ATTR,
     CommitMark,
@@ -23,7 +24,7 @@ from traintape.schema.names import (
     split_name,
     validate_name,
 )
-from traintape.schema.policy import ALL_KINDS, CapturePolicy, Kind
+from traintape.schema.policy import CapturePolicy, StepPlan
 from traintape.schema.stats import (
     N_RAW,
     N_STATS,
@@ -62,6 +63,7 @@ __all__ = [
     "Producer",
     "SchemaVersionError",
     "Severity",
+    "StepPlan",
     "StoreLayout",
     "TensorSpec",
     "WriterStats",

@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from traintape.schema.migrate import migrate
 from traintape.schema.names import CanonicalName, check_no_prefix_clash, split_name
-from traintape.schema.policy import CapturePolicy, Kind
+from traintape.schema.kinds import Kind
+from traintape.schema.policy import CapturePolicy
 from traintape.schema.roles import LayerKind
 from traintape.schema.stats import STAT_NAMES
 from traintape.schema.version import SCHEMA_VERSION, parse_version
