@@ -15,9 +15,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from traintape.schema.kinds import Kind
 from traintape.schema.migrate import migrate
 from traintape.schema.names import CanonicalName, check_no_prefix_clash, split_name
-from traintape.schema.kinds import Kind
 from traintape.schema.policy import CapturePolicy
 from traintape.schema.roles import LayerKind
 from traintape.schema.stats import STAT_NAMES
