@@ -22,13 +22,13 @@ in-step deltas drown in the noise of a shared CPU:
 
 - ``sum_pass``: ``tf.function`` of ``add_n(reduce_sum(t))`` (the floor);
 - ``tt_host``: ``tf.function`` of the adapter's host crossing — one
-  ``tf.numpy_function`` running the fused kernel (:func:`host_stat_matrices`);
+  ``tf.numpy_function`` running the fused kernel (:func:`host_raw_matrices`);
 - ``fused_numpy``: the fused kernel alone on zero-copy numpy views (no TF);
 - ``np_sum``: a numpy sum pass over those views (the host's own floor);
-- ``tt_graph``: ``tf.function`` of :func:`traintape.tf.stat_matrix` (TF-op graph).
+- ``tt_graph``: ``tf.function`` of :func:`traintape.adapters.tf.stats.raw_matrix` (TF-op graph).
 
 And, inside the ``traintape`` steps themselves, the wall time of the host stat call
-(``host_stat_matrices``, wrapped with a timer by this script): the stats' cost in situ,
+(``host_raw_matrices``, wrapped with a timer by this script): the stats' cost in situ,
 free of the step-to-step noise.
 
 Prints ms/step medians, overhead / floor and overhead as % of step (in-step, in situ
@@ -148,7 +148,7 @@ def main() -> None:
         return rec, fn
 
     in_situ: list[float] = []  # wall time of each host stat call inside the steps
-    host_stats = tf_capture.host_stat_matrices
+    host_stats = tf_capture.host_raw_matrices
 
     def timed_host_stats(groups: Any) -> Any:
         t0 = time.perf_counter()
@@ -156,7 +156,7 @@ def main() -> None:
         in_situ.append(time.perf_counter() - t0)
         return out
 
-    tf_capture.host_stat_matrices = timed_host_stats
+    tf_capture.host_raw_matrices = timed_host_stats
     rec_h, tt_host = tt_step("host", host_ok)
     rec_g, tt_graph = tt_step("graph", False)
     tf_stats._HOST = None
@@ -171,7 +171,7 @@ def main() -> None:
     )
     rec_h.close()
     rec_g.close()
-    tf_capture.host_stat_matrices = host_stats
+    tf_capture.host_raw_matrices = host_stats
 
     # ---- isolated: the stat computation vs the floor, on the same tensors
     grads = tf.function(lambda: grads_of(tf.GradientTape)[1])()
@@ -180,14 +180,14 @@ def main() -> None:
     sum_pass = tf.function(lambda ts: tf.add_n([tf.reduce_sum(a) for a in ts]))
 
     def host_fn(*arrays: np.ndarray) -> np.ndarray:
-        return tf_stats.host_stat_matrices([arrays])[0]
+        return tf_stats.host_raw_matrices([arrays])[0]
 
     tt_host_iso = tf.function(lambda ts: tf.numpy_function(host_fn, ts, tf.float64, stateful=True))
-    tt_graph_iso = tf.function(ttf.stat_matrix)
+    tt_graph_iso = tf.function(tf_stats.raw_matrix)
     kernels = {
         "sum_pass": lambda: sum_pass(tensors).numpy(),
         "tt_host": lambda: tt_host_iso(tensors).numpy(),
-        "fused_numpy": lambda: tf_stats.host_stat_matrices([views]),
+        "fused_numpy": lambda: tf_stats.host_raw_matrices([views]),
         "np_sum": lambda: sum(float(a.sum()) for a in views),
         "tt_graph": lambda: tt_graph_iso(tensors).numpy(),
     }

@@ -12,12 +12,13 @@ from traintape.core.errors import (
     TraintapeError,
 )
 from traintape.core.reader import Run, open_run
-from traintape.core.recorder import Recorder, read_manifest
+from traintape.core.recorder import KindRows, Recorder, read_manifest
 from traintape.core.stats import stat_vector, stat_vectors
 from traintape.core.validate import ValidationReport, validate
 
 __all__ = [
     "CaptureDisabledError",
+    "KindRows",
     "NotAStoreError",
     "RecordError",
     "Recorder",

@@ -21,6 +21,7 @@ import socket
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,7 @@ from traintape.schema import (
     N_RAW,
     N_STATS,
     RAW_NAMES,
+    STAT_INDEX,
     CapturePolicy,
     Event,
     InvalidNameError,
@@ -55,7 +57,6 @@ from traintape.schema import (
     check_no_prefix_clash,
     check_readable,
     finalize,
-    stat_column,
     validate_name,
 )
 from traintape.schema.policy import StepPlan
@@ -347,6 +348,45 @@ class Recorder:
         self._drain()
         return True
 
+    def record_step(self, step: int, parts: Sequence[KindRows]) -> bool:
+        """The record point of every adapter: what it computed for one optimizer step.
+
+        Args:
+            parts: per kind, raw rows ``[len(names), N_RAW]`` (:mod:`traintape.schema.stats`)
+                of the tensors ``names`` (any order; every declared tensor of the kind
+                once) and, on full-capture steps, snapshots (canonical layout; the
+                recorder takes ownership — do not modify them afterwards). Raw rows of
+                parts of one tensor (shards, micro-batches) are merged by the caller
+                with :func:`traintape.schema.stats.merge` first.
+        The kinds must have been declared (:meth:`declare`). The policy is applied here:
+        kinds it does not record at ``step`` are ignored, snapshots are kept only where
+        it snapshots the kind at ``step``. Stat vectors are
+        :func:`traintape.schema.stats.finalize` of the raw rows (one call per step).
+        Returns True if something was recorded.
+        """
+        step = check_step(step)
+        if not self._guard():
+            return False
+        parts = [p for p in parts if self.wants(step, p.kind)]
+        if not parts:
+            return False
+        raws = []
+        for p in parts:
+            r = np.asarray(p.raw, dtype=np.float64)
+            if r.shape != (len(p.names), N_RAW):
+                raise RecordError(
+                    f"kind {Kind(p.kind).value} at step {step}: raw rows have shape {r.shape}, "
+                    f"expected ({len(p.names)}, {N_RAW}) (one row of {RAW_NAMES} per name)"
+                )
+            raws.append(r)
+        vecs = finalize(np.concatenate(raws)) if len(raws) > 1 else finalize(raws[0])
+        off = 0
+        for p in parts:
+            n = len(p.names)
+            self._record_vectors(step, Kind(p.kind), vecs[off : off + n], p.names, p.snapshots)
+            off += n
+        return True
+
     def record_raw(
         self,
         step: int,
@@ -356,31 +396,8 @@ class Recorder:
         names: Sequence[str],
         snapshots: Mapping[str, ArrayLike] | None = None,
     ) -> bool:
-        """The record point of every adapter: raw rows computed on a device, at ``step``.
-
-        Args:
-            raw: ``[len(names), N_RAW]`` raw rows (:mod:`traintape.schema.stats`) of the
-                tensors ``names`` (any order; every declared tensor of ``kind`` once).
-                Raw rows of parts of a tensor (shards, micro-batches) are merged by the
-                caller with :func:`traintape.schema.stats.merge` first.
-            snapshots: full tensors (canonical layout) for a full-capture step; dropped
-                unless the policy snapshots ``kind`` at ``step``. The recorder takes
-                ownership of these arrays (do not modify them afterwards).
-        The tensors of ``kind`` must have been declared (:meth:`declare`). The policy is
-        applied here (kinds it does not record at ``step`` are ignored); stat vectors
-        are :func:`traintape.schema.stats.finalize` of ``raw``.
-        """
-        kind = Kind(kind)
-        step = check_step(step)
-        if not self._guard() or not self.wants(step, kind):
-            return False
-        rows = np.asarray(raw, dtype=np.float64)
-        if rows.shape != (len(names), N_RAW):
-            raise RecordError(
-                f"kind {kind.value} at step {step}: raw rows have shape {rows.shape}, "
-                f"expected ({len(names)}, {N_RAW}) (one row of {RAW_NAMES} per name)"
-            )
-        return self._record_vectors(step, kind, finalize(rows), names, snapshots)
+        """:meth:`record_step` for one kind."""
+        return self.record_step(step, [KindRows(Kind(kind), names, raw, snapshots)])
 
     def record_stats(
         self,
@@ -579,9 +596,11 @@ class Recorder:
 
     def _check_nonfinite(self, step: int, kind: Kind, vecs: np.ndarray) -> None:
         """Raise an event the first time a tensor holds NaN or Inf (vectorised check)."""
+        nan, inf = vecs[:, _NAN], vecs[:, _INF]
+        if not (nan.any() or inf.any()):  # the common case (counts are >= 0)
+            return
         names = self._declared[kind]
-        for typ, stat in (("nan", "nan_count"), ("inf", "inf_count")):
-            counts = stat_column(vecs, stat)
+        for typ, counts in (("nan", nan), ("inf", inf)):
             for i in np.flatnonzero(counts > 0):
                 self._nonfinite_event(step, typ, kind, names[i], int(counts[i]))
 
@@ -679,6 +698,22 @@ class Recorder:
 
     def __repr__(self) -> str:
         return f"Recorder({self.url!r}, rows={self._writer.rows_committed})"
+
+
+_NAN, _INF = STAT_INDEX["nan_count"], STAT_INDEX["inf_count"]
+
+
+@dataclass(frozen=True)
+class KindRows:
+    """What an adapter computed for one kind at one step (see :meth:`Recorder.record_step`)."""
+
+    kind: Kind
+    names: Sequence[str]
+    """Canonical names of the rows of ``raw``."""
+    raw: ArrayLike
+    """Raw rows ``[len(names), N_RAW]`` float64 (:data:`traintape.schema.stats.RAW_NAMES`)."""
+    snapshots: Mapping[str, ArrayLike] | None = None
+    """Full tensors by name, canonical layout (full-capture steps)."""
 
 
 def _check_against_spec(spec: TensorSpec, a: np.ndarray, step: int) -> None:

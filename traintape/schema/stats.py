@@ -117,7 +117,8 @@ class Stat:
 
 
 def _ratio(num: Array, den: Array) -> Array:
-    return num / np.where(den > 0, den, 1.0)
+    """num / den for element counts ``den`` (>= 0), with 0 / 0 = 0 (never a warning)."""
+    return num / np.maximum(den, 1.0)
 
 
 STATS: Final[tuple[Stat, ...]] = (
@@ -210,13 +211,17 @@ def finalize(raw: Array) -> Array:
     if raw.shape[-1] != N_RAW:
         raise ValueError(f"raw rows have {raw.shape[-1]} fields, expected {N_RAW} ({RAW_NAMES})")
     r = Raw(raw)
-    none = r.nfinite == 0
     out = np.empty((*raw.shape[:-1], N_STATS), dtype=np.float64)
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        for i, s in enumerate(STATS):
-            v = s.formula(r)
-            out[..., i] = v if s.when_empty is None else np.where(none, s.when_empty, v)
+    for i, s in enumerate(STATS):  # formulas never divide by zero (see _ratio)
+        out[..., i] = s.formula(r)
+    none = r.nfinite == 0
+    if none.any():
+        out[none] = np.where(_EMPTY_MASK, _EMPTY_VALUES, out[none])
     return out
+
+
+_EMPTY_MASK = np.array([s.when_empty is not None for s in STATS])
+_EMPTY_VALUES = np.array([np.nan if s.when_empty is None else s.when_empty for s in STATS])
 
 
 # ---------------------------------------------------------------------------- reference

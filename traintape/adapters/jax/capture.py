@@ -11,7 +11,7 @@ steps no tensor leaves the device.
 Ordered callbacks arrive in program order, also across ``jax.lax.scan``/``fori_loop``
 iterations and with several devices (ordered ``io_callback`` is supported there, unlike
 ``jax.debug.callback(ordered=True)``), so the host assigns steps correctly. The callback
-hands the small arrays to ``Recorder.record_raw`` (itself an enqueue into the open
+hands the small arrays to ``Recorder.record_step`` (itself an enqueue into the open
 row; the store writer thread does the I/O, see :class:`Pump`);
 ``Recorder.close()``/``flush()`` first run ``jax.effects_barrier()`` so every dispatched
 step's callback has fired (see :func:`pump_for`).
@@ -34,6 +34,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from traintape.core import Recorder
+from traintape.core.recorder import KindRows
 from traintape.schema import CapturePolicy, Kind
 
 from .names import Leaf, specs_for
@@ -43,7 +44,7 @@ from .stats import device_stats
 class Pump:
     """Applies host-side records in callback order, in the callback's thread.
 
-    ``Recorder.record_raw`` is itself an enqueue (it fills the open row; the store
+    ``Recorder.record_step`` is itself an enqueue (it fills the open row; the store
     writer thread does the I/O), so applying it synchronously keeps the callback short
     *and* guarantees that once a step's outputs are ready on the host, its records are
     in the recorder — a following ``rec.log(t + 1, ...)`` from the training loop can
@@ -311,14 +312,16 @@ def _apply(
     snaps: list[np.ndarray] | None,
     snap_groups: list[int],
 ) -> None:
-    """Hand one step's raw rows (and snapshots) to the recorder, one kind at a time
-    (the recorder applies the policy)."""
+    """Hand one step's raw rows (and snapshots) to the recorder in one call (the
+    recorder applies the policy)."""
     off = 0
     snap_off = 0
+    parts = []
     for i, (kind, nm, n) in enumerate(zip(kinds, names, sizes, strict=True)):
         snapshots = None
         if snaps is not None and i in snap_groups:
             snapshots = dict(zip(nm, snaps[snap_off : snap_off + n], strict=True))
             snap_off += n
-        recorder.record_raw(step, kind, raw[off : off + n], names=nm, snapshots=snapshots)
+        parts.append(KindRows(kind, nm, raw[off : off + n], snapshots))
         off += n
+    recorder.record_step(step, parts)

@@ -3,7 +3,7 @@
 Everything that touches tensors is written once for both modes:
 
 - eagerly, the step is a Python int, ``Recorder.wants`` decides and raw rows are
-  computed (host kernel or TF ops) then handed to ``Recorder.record_raw``;
+  computed (host kernel or TF ops) then handed to ``Recorder.record_step``;
 - inside ``tf.function`` the step is a tensor: ``CapturePolicy.captures(step)`` gates a
   ``tf.cond`` whose true branch computes every raw row in the graph and hands
   them (plus full tensors on full-capture steps only) to the host in **one**
@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from traintape.core.recorder import Recorder
+from traintape.core.recorder import KindRows, Recorder
 from traintape.schema import Kind
 
 from .stats import host_raw_matrices, host_stats_enabled, raw_matrix
@@ -72,15 +72,18 @@ def _host(
                 parts.append(arrays[k : k + len(g.names)])
                 k += len(g.names)
             mats = host_raw_matrices(parts)  # one kernel call for the whole step
+            rows = []
             for g, sn, part, st in zip(groups, snap, parts, mats, strict=True):
                 snaps: Mapping[str, np.ndarray] | None = None
                 if sn and rec.policy.snapshots(s, g.kind):
                     snaps = {x: np.array(a, copy=True) for x, a in zip(g.names, part, strict=True)}
                 elif g.host_snapshots is not None and rec.policy.snapshots(s, g.kind):
                     snaps = g.host_snapshots(s)
-                rec.record_raw(s, g.kind, st, names=g.names, snapshots=snaps)
+                rows.append(KindRows(g.kind, g.names, st, snaps))
+            rec.record_step(s, rows)
             return
         stats, rest = arrays[:n], list(arrays[n:])
+        rows = []
         for g, st, sn in zip(groups, stats, snap, strict=True):
             kind, nm = g.kind, g.names
             snaps = None
@@ -90,7 +93,8 @@ def _host(
                 snaps = g.host_snapshots(s)
             if not rec.policy.snapshots(s, kind):
                 snaps = None
-            rec.record_raw(s, kind, st, names=nm, snapshots=snaps)
+            rows.append(KindRows(kind, nm, st, snaps))
+        rec.record_step(s, rows)
 
     return fn
 
@@ -112,6 +116,7 @@ def _emit_eager(rec: Recorder, step: int, groups: Sequence[Group]) -> None:
         mats = host_raw_matrices(tensors)  # one fused kernel call for the whole step
     else:
         mats = [raw_matrix(ts).numpy() for ts in tensors]
+    rows = []
     for g, ts, stats in zip(groups, tensors, mats, strict=True):
         snaps = None
         if g.snapshot and rec.policy.snapshots(step, g.kind):
@@ -120,7 +125,8 @@ def _emit_eager(rec: Recorder, step: int, groups: Sequence[Group]) -> None:
             snaps = {
                 n: np.asarray(tf.convert_to_tensor(t)) for n, t in zip(g.names, ts, strict=True)
             }
-        rec.record_raw(step, g.kind, stats, names=g.names, snapshots=snaps)
+        rows.append(KindRows(g.kind, g.names, stats, snaps))
+    rec.record_step(step, rows)
 
 
 def _emit_graph(rec: Recorder, step: tf.Tensor, groups: Sequence[Group]) -> tf.Tensor:

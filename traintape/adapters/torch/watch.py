@@ -80,7 +80,7 @@ from traintape.adapters.torch.names import (
     model_layout,
 )
 from traintape.core.naming import NameMap, canonical_name
-from traintape.core.recorder import Recorder
+from traintape.core.recorder import KindRows, Recorder
 from traintape.schema import Kind, TensorSpec
 from traintape.schema.stats import merge
 
@@ -613,8 +613,10 @@ class WatchHandle:
                 kn.extend(names)
                 kv.append(raw[start : start + m.shape[0]])
                 start += m.shape[0]
-            for k, (kn, kv) in rows.items():
-                self.rec.record_raw(t, k, np.concatenate(kv), names=kn, snapshots=snaps.get(k))
+            self.rec.record_step(
+                t,
+                [KindRows(k, kn, np.concatenate(kv), snaps.get(k)) for k, (kn, kv) in rows.items()],
+            )
         self.step_index = t + 1
         self._boundary()
 
