@@ -20,7 +20,7 @@ import platform
 import socket
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,22 +32,21 @@ from traintape.core.errors import (
     CaptureDisabledError,
     NotAStoreError,
     RecordError,
-    RecordNameError,
     StoreError,
 )
 from traintape.core.inputs import check_array, check_metric, check_step
 from traintape.core.kvstore import KvStore, local_path, normalize_url
+from traintape.core.registry import TensorRegistry
+from traintape.core.rows import NonfiniteEvents, RowState
 from traintape.core.stats import raw_rows as host_raw_rows
-from traintape.core.writer import Row, Snapshot, StoreWriter
+from traintape.core.writer import Snapshot, StoreWriter
 from traintape.schema import (
     MANIFEST_ATTR,
     N_RAW,
     N_STATS,
     RAW_NAMES,
-    STAT_INDEX,
     CapturePolicy,
     Event,
-    InvalidNameError,
     Kind,
     Manifest,
     Producer,
@@ -57,7 +56,6 @@ from traintape.schema import (
     check_no_prefix_clash,
     check_readable,
     finalize,
-    validate_name,
 )
 from traintape.schema.policy import StepPlan
 
@@ -122,7 +120,6 @@ class Recorder:
         self.strict = strict
         self._lock = threading.RLock()  # guards manifest and row state; never held in put()
         self._put_lock = threading.Lock()  # keeps hand-over order; may block on a full queue
-        self._outbox: list[Row | Snapshot] = []
         existing = _prepare_location(self.url)
         if existing is not None:
             m = existing
@@ -144,17 +141,9 @@ class Recorder:
             )
         self._manifest = m
         self.policy: CapturePolicy = m.policy
-        self._declared: dict[Kind, list[str]] = {k: m.tensor_names(k) for k in m.kinds()}
-        self._index: dict[Kind, dict[str, int]] = {
-            k: {n: i for i, n in enumerate(v)} for k, v in self._declared.items()
-        }
-        self._name_order_cache: dict[tuple[Kind, tuple[str, ...]], np.ndarray] = {}
-        self._valid_names: set[str] = set()
-        self._nonfinite_seen: set[tuple[str, str, str]] = {
-            (e.type, str(e.kind), e.tensor or "") for e in m.events
-        }
-        self._row: Row | None = None
-        self._last_sealed: int | None = m.commit.last_step
+        self._tensors = TensorRegistry(m)
+        self._rows = RowState(self.url, m.commit.last_step)
+        self._nonfinite = NonfiniteEvents(m.events)
         self._closed = False
         self._sync_hooks: list[Callable[[bool], None]] = []
         try:
@@ -230,67 +219,7 @@ class Recorder:
         same layer, and a later spec that knows the kind fills it into earlier ones.
         """
         with self._lock:
-            by_kind: dict[Kind, list[TensorSpec]] = {}
-            for s in specs:
-                by_kind.setdefault(Kind(s.kind), []).append(s)
-            for kind, ks in by_kind.items():
-                names = sorted(s.name for s in ks)
-                if len(set(names)) != len(names):
-                    dup = sorted({n for n in names if names.count(n) > 1})
-                    raise RecordError(f"tensors {dup} declared twice for kind {kind.value}")
-                if kind in self._declared:
-                    self._check_same_set(kind, names)
-                    continue
-                check_no_prefix_clash(names)
-                if (
-                    kind == Kind.ACTIVATION
-                    and in_forward_order
-                    and self._manifest.forward_order is None
-                ):
-                    layers = dict.fromkeys(s.layer for s in ks)
-                    self._manifest.forward_order = list(layers)
-                ordered = self._harmonise_layer_kinds(sorted(ks, key=lambda s: s.name))
-                self._manifest.tensors = sorted(
-                    [*self._manifest.tensors, *ordered],
-                    key=lambda s: (list(Kind).index(s.kind), s.name),
-                )
-                self._declared[kind] = names
-                self._index[kind] = {n: i for i, n in enumerate(names)}
-
-    def _harmonise_layer_kinds(self, new: list[TensorSpec]) -> list[TensorSpec]:
-        """Fill ``layer_kind`` both ways between ``new`` and the declared specs (under lock)."""
-        known: dict[str, str] = {}
-        for s in [*self._manifest.tensors, *new]:
-            if s.layer_kind is not None:
-                known.setdefault(s.layer, s.layer_kind)
-
-        def fill(s: TensorSpec) -> TensorSpec:
-            k = known.get(s.layer)
-            return s.model_copy(update={"layer_kind": k}) if s.layer_kind is None and k else s
-
-        self._manifest.tensors = [fill(s) for s in self._manifest.tensors]
-        return [fill(s) for s in new]
-
-    def _check_same_set(self, kind: Kind, names: Iterable[str]) -> None:
-        got = set(names)
-        want = set(self._declared[kind])
-        if got != want:
-            missing = sorted(want - got)
-            extra = sorted(got - want)
-            raise RecordError(
-                f"kind {kind.value}: the tensor set differs from the declared one"
-                + (f"; missing {missing}" if missing else "")
-                + (f"; not declared {extra}" if extra else "")
-            )
-
-    def _valid(self, name: str) -> str:
-        if name not in self._valid_names:
-            try:
-                validate_name(name)
-            except InvalidNameError as e:
-                raise RecordNameError(str(e)) from e
-            self._valid_names.add(name)
-        return name
+            self._tensors.declare(specs, in_forward_order=in_forward_order)
 
     # ------------------------------------------------------------------ recording
     def wants(self, step: int, kind: Kind | str) -> bool:
@@ -324,24 +253,24 @@ class Recorder:
         with self._lock:
             arrays: dict[str, np.ndarray] = {}
             for n, v in tensors.items():
-                self._valid(n)
+                self._tensors.valid(n)
                 if self.policy.selects(n):
                     arrays[n] = check_array(n, kind, v, step)
             if not arrays:
                 return False
-            if kind not in self._declared:
-                self.declare(
+            if not self._tensors.declared(kind):
+                self._tensors.declare(
                     [
                         TensorSpec.build(n, kind, dtype=a.dtype.name, shape=a.shape)
                         for n, a in arrays.items()
                     ]
                 )
             else:
-                self._check_same_set(kind, arrays.keys())
-            specs = {s.name: s for s in self._manifest.specs(kind)}
+                self._tensors.check_same_set(kind, arrays.keys())
+            specs = self._tensors.specs(kind)
             for n, a in arrays.items():
                 _check_against_spec(specs[n], a, step)
-            names = self._declared[kind]
+            names = self._tensors.names[kind]
             raw = host_raw_rows([arrays[n] for n in names])
             snaps = {n: arrays[n] for n in names} if self.policy.snapshots(step, kind) else None
             self._add(step, kind, finalize(raw), snaps, copy=True)
@@ -443,34 +372,24 @@ class Recorder:
         snapshots: Mapping[str, ArrayLike] | None,
     ) -> bool:
         with self._lock:
-            if kind not in self._declared:
+            if not self._tensors.declared(kind):
                 raise RecordError(
                     f"kind {kind.value}: no tensors declared; call Recorder.declare(specs) "
                     f"first or use Recorder.record(step, kind, arrays)"
                 )
-            vecs = vecs[self._order(kind, tuple(names))]
+            vecs = vecs[self._tensors.order(kind, tuple(names))]
             snaps = None
             if snapshots is not None and self.policy.snapshots(step, kind):
-                self._check_same_set(kind, snapshots.keys())
-                specs = {s.name: s for s in self._manifest.specs(kind)}
+                self._tensors.check_same_set(kind, snapshots.keys())
+                specs = self._tensors.specs(kind)
                 snaps = {}
-                for n in self._declared[kind]:
+                for n in self._tensors.names[kind]:
                     a = np.asarray(snapshots[n])
                     _check_against_spec(specs[n], a, step)
                     snaps[n] = a
             self._add(step, kind, vecs, snaps, copy=False)
         self._drain()
         return True
-
-    def _order(self, kind: Kind, names: tuple[str, ...]) -> np.ndarray:
-        key = (kind, names)
-        order = self._name_order_cache.get(key)
-        if order is None:
-            self._check_same_set(kind, names)
-            pos = {n: i for i, n in enumerate(names)}
-            order = np.array([pos[n] for n in self._declared[kind]], dtype=np.intp)
-            self._name_order_cache[key] = order
-        return order
 
     def log(self, step: int, metrics: Mapping[str, float] | None = None, **kw: float) -> None:
         """Record scalar metrics (loss, learning rate, ...) at ``step``.
@@ -480,20 +399,23 @@ class Recorder:
         """
         step = check_step(step)
         values = {**(metrics or {}), **kw}
-        checked = {self._valid(name): check_metric(name, v, step) for name, v in values.items()}
+        checked = {
+            self._tensors.valid(name): check_metric(name, v, step) for name, v in values.items()
+        }
         if not self._guard():
             return
         with self._lock:
             new = [n for n in checked if n not in self._manifest.metrics]
             if new:
                 check_no_prefix_clash([*self._manifest.metrics, *new])
-            row = self._row_for(step)
+            row = self._rows.row_for(step)
             for name, fv in checked.items():
                 if name not in self._manifest.metrics:
                     self._manifest.metrics = sorted([*self._manifest.metrics, name])
                 row.metrics[name] = fv
-                if not np.isfinite(fv):
-                    self._nonfinite_event(step, "nan" if np.isnan(fv) else "inf", None, name)
+                ev = self._nonfinite.of_metric(step, name, fv)
+                if ev is not None:
+                    self._manifest.events.append(ev)
         self._drain()
 
     def event(
@@ -520,32 +442,6 @@ class Recorder:
         with self._lock:
             self._manifest.events.append(ev)
 
-    def _row_for(self, step: int) -> Row:
-        step = check_step(step)
-        row = self._row
-        if row is not None and row.step == step:
-            return row
-        if row is not None and step < row.step:
-            raise RecordError(
-                f"step {step} is before step {row.step}, which is already being recorded; "
-                f"steps must not go backwards"
-            )
-        if row is None and self._last_sealed is not None and step <= self._last_sealed:
-            raise RecordError(
-                f"step {step} is not after the last recorded step {self._last_sealed} "
-                f"of {self.url}; steps must increase (resume continues after it)"
-            )
-        if row is not None:
-            self._seal()
-        self._row = Row(step)
-        return self._row
-
-    def _seal(self) -> None:
-        if self._row is not None:
-            self._last_sealed = self._row.step
-            self._outbox.append(self._row)
-            self._row = None
-
     def _drain(self) -> None:
         """Hand sealed rows/snapshots to the writer, outside ``_lock``.
 
@@ -554,7 +450,7 @@ class Recorder:
         """
         with self._put_lock:
             with self._lock:
-                items, self._outbox = self._outbox, []
+                items = self._rows.take()
             for item in items:
                 self._writer.put(item)
 
@@ -569,13 +465,13 @@ class Recorder:
         """Add one kind's stat vectors (declared order) and snapshots to the row of
         ``step``. Everything is checked before the row changes: a refused call leaves
         nothing of itself behind, so a corrected retry is accepted."""
-        row = self._row_for(step)
+        row = self._rows.row_for(step)
         if kind in row.stats:
             raise RecordError(f"kind {kind.value} already recorded at step {step}")
         owned: dict[str, np.ndarray] = {}
         shapes: dict[str, list[int]] = {}
         if snaps:
-            specs = {s.name: s for s in self._manifest.specs(kind)}
+            specs = self._tensors.specs(kind)
             for n, a in snaps.items():
                 spec = specs[n]
                 if spec.snapshot_shape is not None and list(a.shape) != spec.snapshot_shape:
@@ -590,40 +486,11 @@ class Recorder:
             for n, shape in shapes.items():
                 specs[n].snapshot_shape = shape
         row.stats[kind] = vecs
-        self._check_nonfinite(step, kind, vecs)
-        if owned:
-            self._outbox.append(Snapshot(step, kind, owned))
-
-    def _check_nonfinite(self, step: int, kind: Kind, vecs: np.ndarray) -> None:
-        """Raise an event the first time a tensor holds NaN or Inf (vectorised check)."""
-        nan, inf = vecs[:, _NAN], vecs[:, _INF]
-        if not (nan.any() or inf.any()):  # the common case (counts are >= 0)
-            return
-        names = self._declared[kind]
-        for typ, counts in (("nan", nan), ("inf", inf)):
-            for i in np.flatnonzero(counts > 0):
-                self._nonfinite_event(step, typ, kind, names[i], int(counts[i]))
-
-    def _nonfinite_event(
-        self, step: int, typ: str, kind: Kind | None, name: str, count: int | None = None
-    ) -> None:
-        key = (typ, str(kind), name)
-        if key in self._nonfinite_seen:
-            return
-        self._nonfinite_seen.add(key)
-        what = f"{kind.value} {name!r}" if kind is not None else f"metric {name!r}"
-        data: dict[str, float | int | str] = {"count": count} if count is not None else {}
-        self._manifest.events.append(
-            Event(
-                step=step,
-                type=typ,
-                severity=Severity.ERROR,
-                tensor=name,
-                kind=kind,
-                message=f"first {typ.upper()} in {what} at step {step}",
-                data=data,
-            )
+        self._manifest.events += self._nonfinite.of_stats(
+            step, kind, self._tensors.names[kind], vecs
         )
+        if owned:
+            self._rows.outbox.append(Snapshot(step, kind, owned))
 
     def _guard(self) -> bool:
         if self._closed:
@@ -676,7 +543,7 @@ class Recorder:
         err = self._run_sync_hooks(True)
         with self._lock:
             if self._writer.error is None:
-                self._seal()
+                self._rows.seal()
         self._drain()
         with self._lock:
             self._closed = True
@@ -698,9 +565,6 @@ class Recorder:
 
     def __repr__(self) -> str:
         return f"Recorder({self.url!r}, rows={self._writer.rows_committed})"
-
-
-_NAN, _INF = STAT_INDEX["nan_count"], STAT_INDEX["inf_count"]
 
 
 @dataclass(frozen=True)
