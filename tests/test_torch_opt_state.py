@@ -10,7 +10,7 @@ from torch import nn  # noqa: E402
 
 import traintape  # noqa: E402
 from traintape import CapturePolicy, Kind, Recorder  # noqa: E402
-from traintape.adapters.torch.watch import opt_state_field  # noqa: E402
+from traintape.adapters.torch.opt_state import opt_state_field  # noqa: E402
 from traintape.core.stats import stat_vectors  # noqa: E402
 from traintape.torch import watch  # noqa: E402
 

@@ -25,7 +25,7 @@ def to_canonical(model: nn.Module, name_map: NameMap = None) -> dict[str, np.nda
     Arrays are host copies in canonical layout (e.g. a Linear's ``kernel`` is (in, out)).
     Tied parameters appear once, under their first name.
     """
-    from traintape.adapters.torch.watch import host_copy
+    from traintape.adapters.torch.host import host_copy
 
     layout = model_layout(model, name_map, warn=False)
     return {e.name: host_copy(e.canonical(e.tensor())) for e in layout.entries}

@@ -28,7 +28,7 @@ Optimizer state (kind ``opt_state``, when the policy records it and an optimizer
 given): every parameter-shaped tensor in ``optimizer.state[p]`` after step t, under
 ``<parameter canonical name>/<field>`` with the parameter's row block and permutation.
 Fields use optax's state names so stores agree with the JAX adapter (see
-:data:`OPTAX_FIELDS`: Adam ``exp_avg``/``exp_avg_sq`` → ``mu``/``nu``, SGD
+:data:`~traintape.adapters.torch.opt_state.OPTAX_FIELDS`: Adam ``exp_avg``/``exp_avg_sq`` → ``mu``/``nu``, SGD
 ``momentum_buffer`` → ``trace``, ...); other optimizers keep torch's key. The set is
 fixed at the first captured step with any state; a parameter with no state yet is
 recorded as zeros (optax's initial state).
@@ -71,6 +71,7 @@ import torch
 from torch import nn
 
 from traintape.adapters.torch import stats as S
+from traintape.adapters.torch.host import canonical_host_copy, host_copy, numpy_dtype_name
 from traintape.adapters.torch.names import (
     ActivationSite,
     ModelLayout,
@@ -79,57 +80,13 @@ from traintape.adapters.torch.names import (
     activation_tensor,
     model_layout,
 )
-from traintape.core.naming import NameMap, canonical_name
+from traintape.adapters.torch.opt_state import OptStateTracker
+from traintape.core.naming import NameMap
 from traintape.core.recorder import KindRows, Recorder
 from traintape.schema import Kind, TensorSpec
 from traintape.schema.stats import merge
 
 ADAPTER = "traintape.torch"
-
-
-def host_copy(t: torch.Tensor) -> np.ndarray:
-    """A contiguous host copy of ``t`` as numpy (bfloat16 via ml_dtypes), never a view."""
-    t = t.detach()
-    out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-    out.copy_(t)
-    if out.dtype == torch.bfloat16:
-        import ml_dtypes
-
-        return out.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return out.numpy()
-
-
-def numpy_dtype_name(dtype: torch.dtype) -> str:
-    if dtype == torch.bfloat16:
-        return "bfloat16"
-    return str(torch.empty((), dtype=dtype).numpy().dtype)
-
-
-OPTAX_FIELDS: dict[str, dict[str, str]] = {
-    "Adam": {"exp_avg": "mu", "exp_avg_sq": "nu", "max_exp_avg_sq": "nu_max"},
-    "AdamW": {"exp_avg": "mu", "exp_avg_sq": "nu", "max_exp_avg_sq": "nu_max"},
-    "NAdam": {"exp_avg": "mu", "exp_avg_sq": "nu"},
-    "RAdam": {"exp_avg": "mu", "exp_avg_sq": "nu"},
-    "Adamax": {"exp_avg": "mu", "exp_inf": "nu"},
-    "SGD": {"momentum_buffer": "trace"},
-    "RMSprop": {"square_avg": "nu", "grad_avg": "mu", "momentum_buffer": "trace"},
-    "Adagrad": {"sum": "sum_of_squares"},
-    "Adadelta": {"square_avg": "e_g", "acc_delta": "e_x"},
-}
-"""torch optimizer class name → {``optimizer.state[p]`` key → optax state field}: the
-canonical ``opt_state`` leaf of each state tensor (``<param>/<field>``), the name the
-JAX adapter gives the equivalent optax state (``optax.adam`` → ``mu``/``nu``,
-``optax.sgd(momentum=...)`` → ``trace``, ...). Looked up along the optimizer's MRO;
-keys of other optimizers keep their torch name."""
-
-
-def opt_state_field(optimizer: torch.optim.Optimizer, key: str) -> str:
-    """Canonical ``opt_state`` leaf of ``optimizer.state[p][key]`` (see :data:`OPTAX_FIELDS`)."""
-    for cls in type(optimizer).__mro__:
-        table = OPTAX_FIELDS.get(cls.__name__)
-        if table is not None and cls.__module__.startswith("torch.optim"):
-            return table.get(key, key)
-    return key
 
 
 def _spec(e: ParamEntry, kind: Kind) -> TensorSpec:
@@ -144,32 +101,6 @@ def _spec(e: ParamEntry, kind: Kind) -> TensorSpec:
         permutation=e.permutation,
         aliases=e.aliases,
     )
-
-
-def _snapshot(e: ParamEntry, part: torch.Tensor | None, dtype: torch.dtype) -> np.ndarray:
-    """Host copy of ``part`` (``e``'s row block, source layout) in canonical layout;
-    None (no gradient / no optimizer state yet) → zeros of the canonical shape."""
-    if part is None:
-        return np.zeros(e.shape, dtype=numpy_dtype_name(dtype))
-    return host_copy(part if e.permutation is None else part.permute(e.permutation))
-
-
-class _OptStateLeaf:
-    """One recorded optimizer-state tensor: ``optimizer.state[entry param][key]``."""
-
-    __slots__ = ("dtype", "entry", "key", "name")
-
-    def __init__(self, entry: ParamEntry, key: str, name: str, dtype: torch.dtype) -> None:
-        self.entry, self.key, self.name, self.dtype = entry, key, name, dtype
-
-    def read(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
-        """The entry's row block of the state tensor (source layout), None if absent.
-
-        ``state.get``: never creates an entry in the optimizer's ``defaultdict``.
-        """
-        st = optimizer.state.get(self.entry.tensor())
-        v = None if st is None else st.get(self.key)
-        return self.entry.part(v.detach()) if isinstance(v, torch.Tensor) else None
 
 
 class WatchHandle:
@@ -252,8 +183,11 @@ class WatchHandle:
         self._probing = False
         self._act_declared: list[str] | None = None
         self._act_warned: set[str] = set()
-        self._opt_leaves: list[_OptStateLeaf] | None = None
-        self._opt_warned: set[str] = set()
+        self._opt_state_tracker = (
+            OptStateTracker(optimizer, self.train_entries)
+            if optimizer is not None and self.train_entries
+            else None
+        )
         self._install()
         self._boundary()
 
@@ -429,7 +363,7 @@ class WatchHandle:
         self._add(Kind.GRAD, [e.name for e in self.train_entries], S.raw_stats(grads))
         if self.rec.policy.snapshots(t, Kind.GRAD):
             self._snaps[Kind.GRAD] = {
-                e.name: _snapshot(e, g, e.tensor().dtype)
+                e.name: canonical_host_copy(e, g, e.tensor().dtype)
                 for e, g in zip(self.train_entries, grads, strict=True)
             }
 
@@ -445,95 +379,25 @@ class WatchHandle:
         self._add(Kind.UPDATE, [e.name for e in self.train_entries], S.raw_stats(ups))
         if self.rec.policy.snapshots(t, Kind.UPDATE):
             self._snaps[Kind.UPDATE] = {
-                e.name: _snapshot(e, u, u.dtype)
+                e.name: canonical_host_copy(e, u, u.dtype)
                 for e, u in zip(self.train_entries, ups, strict=True)
             }
 
     def _opt_state(self) -> None:
         """``opt_state`` after step t: parameter-shaped ``optimizer.state`` tensors."""
-        t, opt = self.step_index, self.optimizer
-        if opt is None or not self.train_entries or not self.rec.wants(t, Kind.OPT_STATE):
+        t, opt = self.step_index, self._opt_state_tracker
+        if opt is None or not self.rec.wants(t, Kind.OPT_STATE):
             return
-        if self._opt_leaves is None and not self._declare_opt_state():
-            return
-        leaves = self._opt_leaves or []
+        leaves = opt.leaves(self.rec)
         if not leaves:
             return
-        self._warn_new_opt_state()
-        parts = [leaf.read(opt) for leaf in leaves]
+        parts = [leaf.read(opt.optimizer) for leaf in leaves]
         self._add(Kind.OPT_STATE, [leaf.name for leaf in leaves], S.raw_stats(parts))
         if self.rec.policy.snapshots(t, Kind.OPT_STATE):
             self._snaps[Kind.OPT_STATE] = {
-                leaf.name: _snapshot(leaf.entry, v, leaf.dtype)
+                leaf.name: canonical_host_copy(leaf.entry, v, leaf.dtype)
                 for leaf, v in zip(leaves, parts, strict=True)
             }
-
-    def _find_opt_state(self) -> list[tuple[ParamEntry, str, torch.Tensor]]:
-        """(entry, key, state tensor) of every parameter-shaped optimizer-state tensor.
-
-        A key is taken when its tensor has the parameter's shape; ``step`` and, for a
-        0-d parameter, keys unknown to :data:`OPTAX_FIELDS` (scalar counters such as
-        NAdam's ``mu_product``) are skipped.
-        """
-        opt = self.optimizer
-        assert opt is not None
-        out = []
-        for e in self.train_entries:
-            p = e.tensor()
-            st = opt.state.get(p)
-            if not st:
-                continue
-            for key, v in st.items():
-                if key == "step" or not isinstance(v, torch.Tensor) or v.shape != p.shape:
-                    continue
-                if p.ndim == 0 and opt_state_field(opt, key) == key:
-                    continue
-                out.append((e, key, v))
-        return out
-
-    def _declare_opt_state(self) -> bool:
-        """Fix and declare the ``opt_state`` tensors (first captured step with any state).
-
-        Returns False while the optimizer holds no parameter-shaped state yet.
-        """
-        found = self._find_opt_state()
-        if not found:
-            return False
-        opt = self.optimizer
-        assert opt is not None
-        leaves: list[_OptStateLeaf] = []
-        specs: list[TensorSpec] = []
-        for e, key, v in found:
-            field = opt_state_field(opt, key)
-            source = f"{e.source_name}:{key}"
-            name = canonical_name([e.name, field], None, source)
-            leaves.append(_OptStateLeaf(e, key, name, v.dtype))
-            specs.append(  # as in the JAX adapter, the parameter is the "layer"
-                TensorSpec.build(
-                    name,
-                    Kind.OPT_STATE,
-                    dtype=numpy_dtype_name(v.dtype),
-                    shape=e.shape,
-                    source_name=source,
-                    source_shape=e.source_shape,
-                    permutation=e.permutation,
-                )
-            )
-        self.rec.declare(specs)
-        self._opt_leaves = leaves
-        return True
-
-    def _warn_new_opt_state(self) -> None:
-        known = {(id(leaf.entry), leaf.key) for leaf in self._opt_leaves or []}
-        for e, key, _ in self._find_opt_state():
-            tag = f"{e.name}:{key}"
-            if (id(e), key) not in known and tag not in self._opt_warned:
-                self._opt_warned.add(tag)
-                warnings.warn(
-                    f"traintape.torch: optimizer state {key!r} of {e.name!r} first appeared "
-                    f"after the opt_state set was declared; it is not recorded",
-                    stacklevel=3,
-                )
 
     def _reduce_activations(self) -> None:
         stash, self._act_stash = self._act_stash, []
@@ -626,3 +490,6 @@ watch = WatchHandle
 activations=True, probe=None) -> WatchHandle``: record ``model``'s params, grads,
 updates, activations (and optimizer state) into ``recorder``; leaving the returned
 handle (a context manager) removes every hook. Arguments: see :class:`WatchHandle`."""
+
+
+__all__ = ["WatchHandle", "host_copy", "numpy_dtype_name", "watch"]
