@@ -6,7 +6,7 @@ Everything here is numpy only. Each framework module (:mod:`conformance.models_t
 these names and loads :func:`initial_weights` through its adapter's ``from_canonical``
 (strict: every name and shape must match, or loading fails).
 
-Shapes are canonical (DESIGN): dense kernel (in, out); conv kernel (kh, kw, in, out);
+Shapes are canonical (docs/store-format.md): dense kernel (in, out); conv kernel (kh, kw, in, out);
 activations channels-last; recurrent kernels (in, 3*hidden) in GRU gate order r, z, n.
 """
 

@@ -1,4 +1,4 @@
-"""Run comparison: are two stores identical (DESIGN, "Equivalence"), and if not, where first?
+"""Run comparison: are two stores identical (docs/store-format.md, "Identical stores"), and if not, where first?
 
 ``compare(a, b)`` reports
 

@@ -1,6 +1,6 @@
 """The Recorder: the framework-free write API every adapter uses.
 
-Step semantics (DESIGN): step ``t`` counts completed optimizer steps from 0. A *row*
+Step semantics (docs/store-format.md): step ``t`` counts completed optimizer steps from 0. A *row*
 holds everything recorded for one step (stat vectors of each kind, metrics). Calls for
 the same step add to the open row; the first call for a later step seals it and hands
 it to the background writer. Calling with a step before the open one, or not after the

@@ -1,4 +1,4 @@
-"""Canonical roles, layer kinds and layouts shared by every adapter (DESIGN table).
+"""Canonical roles, layer kinds and layouts shared by every adapter (docs/store-format.md, "Canonical names and layouts").
 
 Adapters translate native names and layouts *to* these; nothing here is
 framework-specific. The canonical layout is Flax/Keras's: channels-last, kernel-last.

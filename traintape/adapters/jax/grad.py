@@ -1,6 +1,6 @@
 """``traintape.jax.value_and_grad`` and ``nnx_value_and_grad``: drop-in gradient wrappers.
 
-Step accounting (DESIGN: step t counts completed optimizer steps from 0):
+Step accounting (docs/store-format.md: step t counts completed optimizer steps from 0):
 
 - **automatic** (default): every *executed* call is one step, numbered on the host in
   callback order from ``start_step`` (also per iteration inside ``lax.scan``/``fori_loop``:

@@ -1,6 +1,6 @@
 """Pytree key paths → canonical names and tensor specs (JAX / Flax).
 
-Rules (DESIGN "Canonical names"):
+Rules (docs/store-format.md, "Canonical names"):
 
 - dict keys and attribute names are segments; sequence indices are integer segments;
 - a trailing ``value`` attribute (Flax NNX ``Variable`` / Linen boxed values) is dropped;

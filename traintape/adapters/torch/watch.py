@@ -1,6 +1,6 @@
 """``traintape.torch.watch``: hooks that record a torch model's training into a Recorder.
 
-Step semantics (DESIGN): step ``t`` counts completed optimizer steps from ``start_step``.
+Step semantics (docs/store-format.md): step ``t`` counts completed optimizer steps from ``start_step``.
 ``param`` at step t is θ_t, the values *before* batch t's forward pass (the values the
 gradient of step t is computed with); ``update`` = θ_{t+1} − θ_t; ``opt_state`` is the
 optimizer state *after* step t. The *step boundary* of step t is the end of step t − 1
