@@ -9,9 +9,12 @@ device, so full-capture steps are chosen without a host round trip):
 - optionally ``grad`` (the updates ``tx`` receives, i.e. the gradient after any
   accumulation — wrap it in ``optax.MultiSteps`` to get the accumulated mean) and
   ``param`` (θ_t, needs ``params`` passed to ``update``);
-- optionally ``opt_state``: every leaf of the new inner state shaped like a parameter
-  (Adam ``mu``/``nu``, momentum ``trace``...), named ``<param name>/<state field>``,
-  e.g. ``dense/kernel/mu``.
+- ``opt_state`` (when asked, or by default when the recorder's policy records it): every
+  leaf of the new inner state shaped like a parameter (Adam/AdamW ``mu``/``nu``, SGD
+  momentum ``trace``, ...), named ``<param name>/<state field>``, e.g.
+  ``dense/kernel/mu`` — the names the torch adapter gives the same optimizers' state.
+  State that is not parameter-shaped (counts, Adafactor's factored ``v_row``/``v_col``)
+  is not recorded.
 """
 
 from __future__ import annotations
@@ -71,8 +74,8 @@ def watch(
     tx: optax.GradientTransformation,
     recorder: Recorder,
     *,
-    kinds: Sequence[Kind | str] = (Kind.UPDATE,),
-    opt_state: bool = False,
+    kinds: Sequence[Kind | str] | None = None,
+    opt_state: bool | None = None,
     name_map: NameMap = None,
     start_step: int = 0,
     accumulate: int = 1,
@@ -81,8 +84,11 @@ def watch(
 
     Args:
         tx: any optax transformation.
-        kinds: among ``update``, ``grad``, ``param`` (see module docstring).
-        opt_state: also record parameter-shaped optimizer state (kind ``opt_state``).
+        kinds: among ``update``, ``grad``, ``param``, ``opt_state`` (see the module
+            docstring); None: ``update``, plus ``opt_state`` when the recorder's policy
+            records that kind.
+        opt_state: shorthand for adding ``opt_state`` to ``kinds`` (True) or leaving it
+            out (False).
         name_map: the same name map as given to ``value_and_grad`` (names must agree).
         start_step: the step the first ``update`` records (resume).
         accumulate: gradient accumulation, k calls per optimizer step (like
@@ -94,10 +100,19 @@ def watch(
     """
     if accumulate < 1:
         raise ValueError(f"accumulate must be >= 1, got {accumulate}")
-    want = {Kind(k) for k in kinds}
-    bad = want - {Kind.UPDATE, Kind.GRAD, Kind.PARAM}
+    if kinds is None:
+        want = {Kind.UPDATE}
+        if opt_state is None and recorder.policy.records_kind(Kind.OPT_STATE):
+            want.add(Kind.OPT_STATE)
+    else:
+        want = {Kind(k) for k in kinds}
+    if opt_state is not None:
+        want = want | {Kind.OPT_STATE} if opt_state else want - {Kind.OPT_STATE}
+    bad = want - {Kind.UPDATE, Kind.GRAD, Kind.PARAM, Kind.OPT_STATE}
     if bad:
-        raise ValueError(f"watch records update, grad and param, not {sorted(bad)}")
+        raise ValueError(
+            f"watch records update, grad, param and opt_state, not {sorted(k.value for k in bad)}"
+        )
 
     def init(params: Any) -> WatchState:
         acc = jax.tree_util.tree_map(jnp.zeros_like, params) if accumulate > 1 else ()
@@ -117,7 +132,7 @@ def watch(
             groups.append(Group(Kind.GRAD, leaves, jax.tree_util.tree_leaves(updates)))
         if Kind.UPDATE in want:
             groups.append(Group(Kind.UPDATE, leaves, jax.tree_util.tree_leaves(new_updates)))
-        if opt_state:
+        if Kind.OPT_STATE in want:
             o_leaves, o_arrays = _opt_state_leaves(inner, updates, name_map)
             if o_leaves:
                 groups.append(Group(Kind.OPT_STATE, o_leaves, o_arrays))
