@@ -1,0 +1,163 @@
+"""The store contract (docs/store-format.md) stays true to the code.
+
+Every kind, stat name, raw-row field, manifest field (of every manifest model and the
+capture policy), array path of ``traintape/core/layout.py`` and the current schema
+version must appear in the document; the package and the repository's Markdown must
+not cite the outside design brief the contract replaced.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from traintape.core import layout as L
+from traintape.schema import (
+    RAW_NAMES,
+    SCHEMA_VERSION,
+    STAT_NAMES,
+    CapturePolicy,
+    CommitMark,
+    Event,
+    Kind,
+    Manifest,
+    Producer,
+    StoreLayout,
+    TensorSpec,
+    WriterStats,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+STORE_FORMAT = REPO / "docs" / "store-format.md"
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+
+
+@pytest.fixture(scope="module")
+def doc() -> str:
+    return STORE_FORMAT.read_text(encoding="utf-8")
+
+
+def _missing_code_spans(text: str, names: list[str]) -> list[str]:
+    """Names that do not appear as a Markdown code span (`name`) in ``text``."""
+    return [n for n in names if f"`{n}`" not in text]
+
+
+def test_every_kind_is_documented(doc):
+    assert _missing_code_spans(doc, [k.value for k in Kind]) == []
+
+
+def test_every_stat_is_documented_in_store_order(doc):
+    assert _missing_code_spans(doc, list(STAT_NAMES)) == []
+    # the table of the stat vector lists them in store order, numbered
+    rows = re.findall(r"^\| (\d+) \| `([a-z_0-9]+)` \|", doc, flags=re.M)
+    assert [(int(i), n) for i, n in rows] == list(enumerate(STAT_NAMES))
+
+
+def test_every_raw_field_is_documented_in_order(doc):
+    assert _missing_code_spans(doc, list(RAW_NAMES)) == []
+    section = doc.split("### Raw rows", 1)[1].split("\n## ", 1)[0]
+    fields = re.findall(r"^\| `([a-z_0-9]+)` \|", section, flags=re.M)
+    assert fields == list(RAW_NAMES)
+
+
+@pytest.mark.parametrize(
+    "model",
+    [Manifest, Producer, StoreLayout, TensorSpec, Event, CommitMark, WriterStats, CapturePolicy],
+    ids=lambda m: m.__name__,
+)
+def test_every_manifest_field_is_documented(doc, model):
+    assert f"### `{model.__name__}`" in doc, f"no section for {model.__name__}"
+    assert _missing_code_spans(doc, list(model.model_fields)) == []
+
+
+def _layout_patterns() -> list[str]:
+    """The array path patterns drawn in layout.py's module docstring (``RUN/...``)."""
+    assert L.__doc__ is not None
+    return re.findall(r"RUN/(\S+)\s", L.__doc__)
+
+
+def test_layout_docstring_draws_every_path_builder():
+    """The patterns checked below are the paths the writer actually builds."""
+    patterns = _layout_patterns()
+    regexes = [re.compile("^" + re.sub(r"<[a-z]+>", r"[A-Za-z0-9_/-]+", p) + "$") for p in patterns]
+    built = [
+        L.STEPS,
+        L.stats_path(Kind.GRAD),
+        L.metric_path("train/loss"),
+        L.snapshot_path(Kind.PARAM, "encoder/0/kernel"),
+        L.snapshot_steps_path(Kind.ACTIVATION),
+    ]
+    for path in built:
+        assert any(r.match(path) for r in regexes), f"{path} matches no pattern of {patterns}"
+    assert {p.split("/")[0] for p in patterns} >= {
+        L.STEPS, L.STATS, L.METRICS, L.SNAPSHOTS, L.SNAPSHOT_STEPS, "zarr.json"
+    }  # fmt: skip
+
+
+def test_every_layout_path_is_documented(doc):
+    patterns = _layout_patterns()
+    assert patterns, "layout.py's docstring draws no tree"
+    missing = [p for p in patterns if f"RUN/{p}" not in doc]
+    assert missing == []
+
+
+def test_schema_version_is_documented(doc):
+    assert f"**{SCHEMA_VERSION}**" in doc
+    assert "READABLE_MAJORS" in doc
+
+
+def test_architecture_names_files_that_exist():
+    """Every ``traintape/...`` or ``core/...``-style file path the docs name exists."""
+    missing = []
+    for path in (STORE_FORMAT, ARCHITECTURE):
+        text = path.read_text(encoding="utf-8")
+        for ref in sorted(set(re.findall(r"`((?:traintape|conformance)/[\w/{},.-]+\.\w+)", text))):
+            m = re.match(r"(.*)\{([\w,]+)\}(.*)", ref)
+            refs = [m[1] + part + m[3] for part in m[2].split(",")] if m else [ref]
+            missing += [r for r in refs if not (REPO / r).exists()]
+        for ref in sorted(set(re.findall(r"`((?:core|schema|analysis|adapters)/[\w/.]+\.(?:py|c|json))", text))):  # fmt: skip
+            if not (REPO / "traintape" / ref).exists():
+                missing.append(ref)
+    assert missing == []
+
+
+def _files_that_must_not_cite_the_brief() -> list[Path]:
+    files = [
+        p for p in (REPO / "traintape").rglob("*") if p.is_file() and "__pycache__" not in p.parts
+    ]
+    for p in REPO.iterdir():
+        if p.name.startswith(".") or p.name in ("node_modules",) or p.name.endswith(".egg-info"):
+            continue
+        if p.is_file() and p.suffix == ".md":
+            files.append(p)
+        elif p.is_dir():
+            files += [
+                q
+                for q in p.rglob("*.md")
+                if not any(s.startswith(".") for s in q.relative_to(REPO).parts)
+            ]
+    return files
+
+
+_BRIEF = re.compile(r"\bDESIGN\b")
+
+
+def test_nothing_cites_the_outside_design_brief():
+    hits = []
+    for p in _files_that_must_not_cite_the_brief():
+        try:
+            text = p.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue  # binary files (compiled kernels, images)
+        for i, line in enumerate(text.splitlines(), 1):
+            if _BRIEF.search(line):
+                hits.append(f"{p.relative_to(REPO)}:{i}: {line.strip()[:100]}")
+    assert hits == [], "\n".join(hits)
+
+
+def test_readme_links_the_docs():
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert "docs/store-format.md" in readme
+    assert "docs/architecture.md" in readme
