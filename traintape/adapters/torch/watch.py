@@ -16,8 +16,19 @@ With an optimizer, the step boundary is the optimizer's step post-hook:
   of step t): ``param`` of the parameters, ``grad`` = ``p.grad``; θ_t is copied (one
   batched ``torch._foreach_copy_``) if ``update`` is recorded;
 - step post-hook: ``update`` = θ_{t+1} − θ_t, ``opt_state`` (see below), then one
-  device→host transfer of every raw stat of the step and ``Recorder.record_stats`` per
-  kind; the step counter advances and the boundary reads of step t + 1 are taken.
+  device→host transfer of every raw row of the step and one ``Recorder.record_step``;
+  the step counter advances and the boundary reads of step t + 1 are taken.
+
+With a closure (``opt.step(closure)``: LBFGS, Lightning), the pre-hook still reads θ_t
+but the closure computes the gradient, so the closure is wrapped: ``grad`` is read right
+after its **first** evaluation — ∇L(θ_t) on batch t, the gradient an SGD/Adam step applies
+— and the step's activations are those of that first forward pass. Later evaluations in
+the same step (LBFGS line search and inner iterations, at other points θ) are not
+recorded. ``micro_batches`` counts every backward pass of the step.
+
+Wrapper optimizers (Accelerate's ``AcceleratedOptimizer``, Lightning's
+``LightningOptimizer``) are unwrapped to the ``torch.optim.Optimizer`` they delegate to
+(:func:`unwrap_optimizer`): its hooks fire once per real step, after AMP unscaling.
 
 Without an optimizer, call :meth:`WatchHandle.step` once per step *after* the parameter
 update and *before* gradients are zeroed: it records ``grad`` (current ``p.grad``),
@@ -111,7 +122,8 @@ class WatchHandle:
     Args:
         model: the torch module (not a ``torch.compile`` wrapper: watch, then compile).
         recorder: the :class:`traintape.Recorder`; its policy decides steps and kinds.
-        optimizer: its ``step()`` hooks mark step boundaries (``param`` θ_t and ``grad``
+        optimizer: a ``torch.optim.Optimizer`` (or a wrapper around one, see
+            :func:`unwrap_optimizer`); its ``step()`` hooks mark step boundaries (``param`` θ_t and ``grad``
             before, ``update`` θ_{t+1} − θ_t and ``opt_state`` after; buffers and the
             probe are read at the end of the previous step). Without one, call
             ``handle.step()`` after each update.
@@ -132,7 +144,7 @@ class WatchHandle:
         self,
         model: nn.Module,
         recorder: Recorder,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: Any = None,
         *,
         name_map: NameMap = None,
         start_step: int = 0,
@@ -141,7 +153,8 @@ class WatchHandle:
     ) -> None:
         self.model = model
         self.rec = recorder
-        self.optimizer = optimizer
+        self.optimizer = None if optimizer is None else unwrap_optimizer(optimizer)
+        optimizer = self.optimizer
         self.step_index = int(start_step)
         self.probe = probe
         self.micro_batches = 0
@@ -180,7 +193,10 @@ class WatchHandle:
         self._act_stash: list[tuple[ActivationSite, torch.Tensor]] = []
         self._act_shapes: dict[str, tuple[ActivationSite, nn.Module, torch.Tensor]] = {}
         self._act_on = False
+        self._act_frozen = False
         self._probing = False
+        self._closure_calls = 0  # closure evaluations of the current opt.step(closure)
+        self._grads_taken = False
         self._act_declared: list[str] | None = None
         self._act_warned: set[str] = set()
         self._opt_state_tracker = (
@@ -242,7 +258,7 @@ class WatchHandle:
 
     def _forward_hook(self, site: ActivationSite) -> Callable[..., None]:
         def hook(mod: nn.Module, args: Any, out: Any) -> None:
-            if not self._act_on or self._removed:
+            if not self._act_on or self._removed or self._act_frozen:
                 return
             t = activation_tensor(out)
             if t is None:
@@ -260,14 +276,47 @@ class WatchHandle:
 
         return hook
 
-    def _on_pre_step(self, opt: Any, args: Any, kwargs: Any) -> None:
-        """Before the update: parameters are θ_t, ``p.grad`` is step t's gradient."""
+    def _on_pre_step(self, opt: Any, args: Any, kwargs: Any) -> Any:
+        """Before the update: parameters are θ_t. Without a closure ``p.grad`` is step t's
+        gradient now; with one (``opt.step(closure)``) the closure computes it, so it is
+        wrapped and the gradient is read right after its first evaluation."""
         self._params(self._pre_step_params)
         self._copy_theta()
-        self._grads()
+        self._closure_calls = 0
+        self._grads_taken = False
+        # args are step()'s positional arguments, the optimizer itself first
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            self._grads()
+            self._grads_taken = True
+            return None
+        wrapped = self._wrap_closure(closure)
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": wrapped}
+        return (args[0], wrapped, *args[2:]), kwargs
+
+    def _wrap_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """``closure`` that records ∇L(θ_t) after its first evaluation (forward +
+        backward on batch t at θ_t) and stops activation capture for the step's later
+        evaluations (LBFGS line search / inner iterations at other points)."""
+
+        def wrapped() -> Any:
+            out = closure()
+            self._closure_calls += 1
+            if self._closure_calls == 1:
+                if self._act_stash:
+                    self._reduce_activations()
+                self._act_frozen = True
+                self._grads()
+                self._grads_taken = True
+            return out
+
+        return wrapped
 
     def _on_post_step(self, opt: Any, args: Any, kwargs: Any) -> None:
         """After the update (θ_{t+1}): updates, optimizer state, record; next boundary."""
+        if not self._grads_taken:  # a closure the optimizer never called: p.grad as is
+            self._grads()
         self._opt_state()
         self._end()
 
@@ -298,6 +347,7 @@ class WatchHandle:
         ``param`` and the θ_t copy when there is no optimizer."""
         t, rec = self.step_index, self.rec
         self._act_on = bool(self.sites) and rec.wants(t, Kind.ACTIVATION)
+        self._act_frozen = False
         self._act_shapes = {}
         self.micro_batches = 0
         self._params(self._boundary_params)
@@ -483,6 +533,36 @@ class WatchHandle:
             )
         self.step_index = t + 1
         self._boundary()
+
+
+def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The ``torch.optim.Optimizer`` inside ``optimizer``: itself, or the optimizer a
+    wrapper delegates ``step()`` to (Accelerate's ``AcceleratedOptimizer.optimizer``,
+    Lightning's ``LightningOptimizer._optimizer``, ...), followed through ``.optimizer``
+    and ``._optimizer`` attributes. Its step hooks fire once per real optimizer step:
+    after AMP unscaling, and not for a step a ``GradScaler`` skipped."""
+    seen: set[int] = set()
+    obj = optimizer
+    while id(obj) not in seen:  # wrappers may subclass Optimizer (AcceleratedOptimizer)
+        seen.add(id(obj))
+        inner = next(
+            (
+                getattr(obj, a)
+                for a in ("optimizer", "_optimizer")
+                if getattr(obj, a, None) is not None and getattr(obj, a) is not obj
+            ),
+            None,
+        )
+        if inner is None:
+            break
+        obj = inner
+    if not isinstance(obj, torch.optim.Optimizer) or not hasattr(obj, "_optimizer_step_pre_hooks"):
+        raise TypeError(
+            f"traintape.torch.watch: optimizer of type {type(optimizer).__qualname__} is not "
+            f"a torch.optim.Optimizer and wraps none (looked for .optimizer/._optimizer); "
+            f"pass the torch optimizer whose step() updates the parameters"
+        )
+    return obj
 
 
 watch = WatchHandle
