@@ -161,3 +161,22 @@ def test_readme_links_the_docs():
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     assert "docs/store-format.md" in readme
     assert "docs/architecture.md" in readme
+
+
+_CITATION = re.compile(r'docs/store-format\.md[`\s,(]{0,6}"([^"\n]+)"')
+
+
+def test_sections_cited_by_the_code_exist():
+    """A section of the store contract cited by name (the file name, then the section
+    in double quotes) in code or Markdown is a real heading of the document."""
+    headings = set(re.findall(r"^#+ (.+?)\s*$", STORE_FORMAT.read_text(encoding="utf-8"), re.M))
+    cited: dict[str, str] = {}
+    for root in ("traintape", "conformance", "tests", "docs", "benchmarks", "examples"):
+        for p in (REPO / root).rglob("*"):
+            if p.suffix not in (".py", ".md", ".json") or "__pycache__" in p.parts:
+                continue
+            for section in _CITATION.findall(p.read_text(encoding="utf-8", errors="replace")):
+                cited.setdefault(section, str(p.relative_to(REPO)))
+    assert cited, "no citation found: the pattern is stale"
+    missing = {s: where for s, where in cited.items() if s not in headings}
+    assert missing == {}
