@@ -180,3 +180,21 @@ def test_sections_cited_by_the_code_exist():
     assert cited, "no citation found: the pattern is stale"
     missing = {s: where for s, where in cited.items() if s not in headings}
     assert missing == {}
+
+
+def test_architecture_file_tables_name_files_that_exist():
+    """Bare file names (`rows.py`) in a section headed by a package directory
+    (`traintape/core/`) are files of that directory; elsewhere, files of the package."""
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    package_files = {p.name for p in (REPO / "traintape").rglob("*") if p.is_file()}
+    missing = []
+    for section in re.split(r"^### ", text, flags=re.M)[1:]:
+        heading = section.splitlines()[0]
+        home = re.search(r"`(traintape/[\w/]+/)`", heading)
+        for name in sorted(set(re.findall(r"`(\w+\.(?:py|c|json))`", section))):
+            if name == "zarr.json":
+                continue  # a store file, not a source file
+            ok = (REPO / home[1] / name).is_file() if home else name in package_files
+            if not ok:
+                missing.append(f"{heading}: {name}")
+    assert missing == []
