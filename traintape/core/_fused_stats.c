@@ -11,13 +11,14 @@
  *
  * Buffers are cut into fixed blocks of BLOCK elements. Each block is reduced in one pass
  * with LANES independent accumulators (the inner loop is a plain elementwise loop over
- * fixed-size lane arrays, which gcc -O3 vectorises), in double, around a per-block shift
- * K (the block's first finite element): S1 = sum(x - K), S2 = sum((x - K)^2), so
+ * fixed-size lane arrays, which gcc -O3 vectorises) around a per-block shift K (the
+ * block's first finite element); float64 data accumulate in double, float32 data in
+ * float32 lanes over CHUNK32-element chunks whose sums are added in double (see vec_f32): S1 = sum(x - K), S2 = sum((x - K)^2), so
  * M2_block = S2 - S1^2 / n does not cancel for near-constant data. Blocks are merged in
  * a fixed order with Chan's parallel formula, so the result does not depend on the number
  * of threads. OpenMP (when compiled with -fopenmp) spreads blocks over threads.
  *
- * target_clones gives an AVX2 and a baseline version selected at load time, so the
+ * target_clones gives AVX-512, AVX2 and baseline versions selected at load time, so the
  * cached shared object stays valid on any x86-64 CPU (no -march=native).
  */
 #include <math.h>

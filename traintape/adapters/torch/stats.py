@@ -7,7 +7,8 @@ Stats are computed in two stages:
    (sum of squared deviations from the mean), min, max, sum of squares, sum of |x|,
    zero count and NaN count (all over finite elements, except numel/zeros/NaN) — the
    raw-row layout of :mod:`traintape.schema.stats`. Rows of several micro-batches are
-   combined on the host with :func:`traintape.schema.stats.merge` (Chan's formula).
+   combined on the device with :func:`traintape.schema.stats.merge` (Chan's formula,
+   ``xp=torch``).
 2. :func:`traintape.schema.stats.finalize` (host, numpy) turns raw rows into the
    schema's stat vectors ``[n, N_STATS]``.
 
