@@ -6,6 +6,9 @@ their canonical names/layouts, eagerly or inside ``tf.function`` (one host trans
 step, full tensors only on full-capture steps). With ``optimizer=`` the optimizer is
 observed too (:func:`~traintape.adapters.tf.optimizer.observe_optimizer`) so ``update``
 is recorded when it applies the gradients, and the step is ``optimizer.iterations``.
+With ``model=`` the outputs of the model's parametrised layers called with
+``training=True`` inside the tape are recorded as ``activation`` (stats over the batch,
+the names the Keras callback gives them; :mod:`~traintape.adapters.tf.activations`).
 
 Step: ``step=`` (int or scalar tensor) if given, else ``optimizer.iterations``, else a
 counter kept per recorder (a ``tf.Variable``) that advances by one per ``gradient`` call.
@@ -27,6 +30,7 @@ from traintape.core.naming import NameMap
 from traintape.core.recorder import Recorder
 from traintape.schema import Kind
 
+from .activations import capture_for
 from .capture import Group, declare, emit
 from .optimizer import observe_optimizer, observer
 
@@ -49,8 +53,9 @@ class GradientTape(tf.GradientTape):
     Args:
         recorder: the :class:`~traintape.Recorder`.
         model: optional Keras model, for canonical layer paths (see
-            :mod:`traintape.adapters.tf.names`); without it names come from
-            ``variable.path`` (e.g. ``dense/kernel``).
+            :mod:`traintape.adapters.tf.names`) and activations (layer outputs of calls
+            with ``training=True`` inside the tape); without it names come from
+            ``variable.path`` (e.g. ``dense/kernel``) and no activations are recorded.
         optimizer: optional Keras optimizer; observed so ``update`` is recorded, and its
             ``iterations`` is the step.
         step: explicit optimizer step (int or scalar int tensor); overrides the others.
@@ -77,6 +82,11 @@ class GradientTape(tf.GradientTape):
         self._tt_map = name_map
         recorder.set_producer(framework="tensorflow", framework_version=tf.__version__,
                               adapter="traintape.tf")  # fmt: skip
+        self._tt_acts = (
+            capture_for(recorder, model, name_map)
+            if model is not None and recorder.policy.records_kind(Kind.ACTIVATION)
+            else None
+        )
         if optimizer is not None:
             obs = observer(optimizer)
             if obs is None or obs.recorder is not recorder:
@@ -128,8 +138,9 @@ class GradientTape(tf.GradientTape):
         pairs = [(e, g) for es, g in zip(per_var, gs, strict=True) for e in es
                  if g is not None and rec.policy.selects(e.name)]  # fmt: skip
         step = self._step()
+        acts = self._tt_acts.groups() if self._tt_acts is not None else []
         if not pairs:
-            return None
+            return emit(rec, step, acts) if acts else None
         ents = [e for e, _ in pairs]
         declare(rec, Kind.PARAM, ents)
         declare(rec, Kind.GRAD, ents)
@@ -137,6 +148,7 @@ class GradientTape(tf.GradientTape):
         return emit(rec, step, [
             Group(Kind.PARAM, names, lambda: [e.read() for e in ents]),
             Group(Kind.GRAD, names, lambda: [e.grad(g) for e, g in pairs]),
+            *acts,
         ])  # fmt: skip
 
 
