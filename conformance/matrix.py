@@ -163,7 +163,7 @@ def check_pair(
 
     ra, rb = traintape.open_run(a_url), traintape.open_run(b_url)
     tols = tolerances or tolerances_for(dtype)
-    rep = traintape.compare(ra, rb, tolerances=tols)
+    rep = traintape.compare(ra, rb, tolerances=tols, strict=True)
     problems = [s.message for s in rep.structural]
     try:
         problems += _initial_exact(ra, rb, model, dtype)

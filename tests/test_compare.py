@@ -80,11 +80,15 @@ def test_structural_step_and_tensor_sets(tmp_path):
         for t in range(4):
             rec.record(t, "param", {"x/kernel": np.ones((2, 2), np.float32),
                                     "y/bias": np.zeros(2, np.float32)})  # fmt: skip
-    rep = compare(str(tmp_path / "a"), str(tmp_path / "b"))
+    rep = compare(str(tmp_path / "a"), str(tmp_path / "b"), strict=True)
     whats = {s.what for s in rep.structural}
-    assert {"tensor", "steps"} <= whats
+    assert {"tensor", "steps"} <= whats and not rep.identical and rep.mode == "strict"
     assert any(s.tensor == "y/bias" and "only in run B" in s.message for s in rep.structural)
     assert rep.diff("x/kernel", "param").steps_compared == 3  # common steps still compared
+    # default: the shared data agree; what only one run holds is listed, not judged
+    shared = compare(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert shared.identical and shared.mode == "shared" and not shared.structural
+    assert {d.what for d in shared.not_compared} == {"tensor", "steps"}
 
 
 def test_per_kind_tolerances_and_defaults():
@@ -125,4 +129,65 @@ def test_forward_order_is_a_hint_not_a_difference(tmp_path):
     rep = compare(a, c)
     assert rep.identical and any("forward order differs" in n for n in rep.notes)
     d = rec(str(tmp_path / "d"), {"forward_order": ["fc"], "lr": 0.1})
-    assert not compare(a, d).identical  # the rest of user still counts
+    assert not compare(a, d, strict=True).identical  # the rest of user counts when strict
+    rep = compare(a, d)
+    assert rep.identical and any("manifest field 'user'" in n for n in rep.notes)
+
+
+def _updates_and_acts(url: str, *, update: bool, acts: bool, layer_kind: str | None) -> None:
+    kinds = ("param", "grad", "update", "activation")
+    with traintape.Recorder(url, traintape.CapturePolicy(kinds=kinds)) as rec:
+        specs = [traintape.TensorSpec.build("fc/kernel", k, dtype="float32", shape=[2, 2],
+                                            layer_kind=layer_kind)
+                 for k in ("param", "grad", *(("update",) if update else ()))]  # fmt: skip
+        rec.declare(specs)
+        for t in range(3):
+            w = np.full((2, 2), 1.0 + t, np.float32)
+            rec.record(t, "param", {"fc/kernel": w})
+            rec.record(t, "grad", {"fc/kernel": w * 0.5})
+            if update:
+                rec.record(t, "update", {"fc/kernel": -0.1 * w})
+            if acts:
+                rec.record(t, "activation", {"fc/output": np.ones((4, 2), np.float32) * t})
+
+
+def test_default_judges_shared_data_strict_judges_structure(tmp_path):
+    """One run recorded with updates, activations and layer kinds, one without: the data
+    both have agree, so the default verdict is identical (listing what was not compared);
+    --strict says they differ."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    _updates_and_acts(a, update=True, acts=True, layer_kind="dense")
+    _updates_and_acts(b, update=False, acts=False, layer_kind=None)
+    rep = compare(a, b)
+    assert rep.identical and rep.verdict == "identical" and rep.mode == "shared"
+    assert {(d.what, d.kind) for d in rep.not_compared} >= {
+        ("kind", "update"),
+        ("kind", "activation"),
+    }
+    assert any("layer_kind" in n for n in rep.notes)
+    strict = compare(a, b, strict=True)
+    assert not strict.identical and strict.mode == "strict"
+    assert {d.what for d in strict.structural} >= {"kind", "spec"}
+    # a real difference in the shared data still makes them differ by default
+    c = str(tmp_path / "c")
+    with traintape.Recorder(c) as rec:
+        for t in range(3):
+            rec.record(t, "param", {"fc/kernel": np.full((2, 2), 1.0 + t, np.float32) * 1.01})
+    bad = compare(a, c)
+    assert not bad.identical and bad.first_divergence.tensor == "fc/kernel"
+
+
+def test_cli_compare_says_which_verdict(tmp_path):
+    from typer.testing import CliRunner
+
+    from traintape.cli import app
+
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    _updates_and_acts(a, update=True, acts=False, layer_kind="dense")
+    _updates_and_acts(b, update=False, acts=False, layer_kind="dense")
+    r = CliRunner().invoke(app, ["compare", a, b])
+    assert r.exit_code == 0, r.output
+    assert "shared data" in r.output and "not compared" in r.output
+    r = CliRunner().invoke(app, ["compare", a, b, "--strict"])
+    assert r.exit_code == 1, r.output
+    assert "strict" in r.output

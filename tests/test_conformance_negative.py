@@ -40,7 +40,7 @@ def reference(tmp_path_factory):
 
 
 def _report(a: str, b: str):
-    return traintape.compare(a, b, tolerances=TOL)
+    return traintape.compare(a, b, tolerances=TOL, strict=True)
 
 
 def test_reference_is_reproducible(reference, tmp_path):

@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Column, Table
 
 app = typer.Typer(
@@ -621,8 +622,13 @@ def compare(
     no_snapshots: bool = typer.Option(False, "--no-snapshots", help="compare stats only"),
     as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
     show: int = typer.Option(20, help="tensors shown in the table"),
+    strict: bool = typer.Option(
+        False, "--strict", help="the stores must also be identical in structure"
+    ),
 ) -> None:
-    """Compare two runs: structure, then values per tensor and kind within tolerance.
+    """Compare two runs: by default the data both hold (kinds, tensors and steps in one run
+    only are listed as not compared; metadata differences are notes); with --strict the
+    structure too.
 
     Exit code 0 when identical, 1 when they differ, 2 when a store cannot be read.
     """
@@ -630,16 +636,22 @@ def compare(
 
     ra, rb = _open(run_a), _open(run_b)
     with _reading(run_a, run_b), _progress("compare") as cb:
-        rep = run_compare(ra, rb, atol=atol, rtol=rtol, snapshots=not no_snapshots, progress=cb)
+        rep = run_compare(
+            ra, rb, atol=atol, rtol=rtol, snapshots=not no_snapshots, progress=cb, strict=strict
+        )
     if as_json:
         _json_out(rep)
         raise typer.Exit(0 if rep.identical else 1)
     c = "green" if rep.identical else "red"
+    judged = "strict: data and structure" if rep.mode == "strict" else "shared data only"
     console.print(
-        f"[{c}][bold]{rep.verdict}[/bold][/{c}]: {rep.a} vs {rep.b} ({rep.common_steps} common steps)"
+        f"[{c}][bold]{rep.verdict}[/bold][/{c}] ({judged}): {escape(rep.a)} vs {escape(rep.b)} "
+        f"({rep.common_steps} common steps)"
     )
     for s in rep.structural:
-        console.print(f"  [red]structure[/red] {s.message}")
+        console.print(f"  [red]structure[/red] {escape(s.message)}")
+    for s in rep.not_compared:
+        console.print(f"  [yellow]not compared[/yellow] {escape(s.message)}")
     for n in rep.notes:
         console.print(f"  [dim]note: {n}[/dim]")
     if rep.first_divergence is not None:
@@ -648,8 +660,10 @@ def compare(
             f"  first divergence: [bold]{d.kind} {d.tensor}[/bold] at step {d.first_step_out} "
             f"(via {d.first_out_via}; max abs {d.max_abs:.3g}, max rel {d.max_rel:.3g})"
         )
+    from traintape.analysis._common import KIND_RANK
+
     bad = [t for t in rep.tensors if not t.within]
-    order = {k: i for i, k in enumerate(["param", "activation", "grad", "update", "opt_state"])}
+    order = {k.value: r for k, r in KIND_RANK.items()}
     bad.sort(key=lambda t: (t.first_step_out or 0, order.get(t.kind, 9), t.tensor))
     rows = bad[:show] if bad else sorted(rep.tensors, key=lambda t: -(t.max_abs or 0))[:show]
     t = Table(

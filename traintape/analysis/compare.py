@@ -1,6 +1,8 @@
 """Run comparison: are two stores identical (docs/store-format.md, "Identical stores"), and if not, where first?
 
-``compare(a, b)`` reports
+``compare(a, b)`` judges **the data both runs have** (the default) or, with
+``strict=True``, also that the stores are identical in structure (what the conformance
+suite uses). Either way it reports
 
 - **structural** differences: tensors or kinds present in one run only; spec differences
   (shape, dtype, role, layer, layer_kind, snapshot shape); step sets; snapshot step sets;
@@ -8,6 +10,11 @@
   ``writer``, ``status``, ``events`` (and the commit mark's bookkeeping, which only
   restates the step/snapshot sets). Physical ``layout`` choices (chunking, compression)
   are reported as notes and do not make runs differ, as is ``forward_order``.
+  By default only differences in what both runs hold make them differ (a shared
+  tensor's shape or dtype): kinds, tensors, metrics, steps and snapshots present in one
+  run only are listed in ``not_compared`` (never silently ignored), and metadata hints
+  (layer kind, role, layer path of a shared tensor, manifest fields such as the policy
+  or user metadata) become notes. ``strict=True`` counts all of them as differences.
 - **numeric** differences per (tensor, kind) over the common steps: max absolute and max
   relative error of the stat vectors and of the snapshots, the minimum cosine similarity of
   snapshots, and the first step at which the tensor leaves tolerance; metrics likewise.
@@ -80,6 +87,12 @@ _IGNORED_MANIFEST = {
 }  # fmt: skip
 
 
+_COVERAGE = {"kind", "tensor", "metrics", "steps", "snapshots"}
+"""Structural differences about what one run holds and the other does not."""
+_HINT_FIELDS = {"layer_kind", "role", "layer"}
+"""Spec fields that describe a tensor rather than its data."""
+
+
 class StructuralDiff(BaseModel):
     """One structural difference (``what``: 'tensor', 'kind', 'spec', 'steps', 'snapshots',
     'metrics', 'manifest')."""
@@ -116,7 +129,19 @@ class CompareReport(BaseModel):
     b: str
     identical: bool
     verdict: str = Field(description="'identical' or 'differs'")
-    structural: list[StructuralDiff] = Field(default_factory=list)
+    mode: str = Field(
+        "shared",
+        description="'shared': the verdict judges the data both runs hold; 'strict': the "
+        "stores must also be identical in structure",
+    )
+    structural: list[StructuralDiff] = Field(
+        default_factory=list, description="structural differences that make the runs differ"
+    )
+    not_compared: list[StructuralDiff] = Field(
+        default_factory=list,
+        description="what only one run holds (shared mode; in strict mode these are "
+        "structural differences)",
+    )
     notes: list[str] = Field(default_factory=list)
     tensors: list[TensorDiff] = Field(default_factory=list)
     first_divergence: TensorDiff | None = None
@@ -258,9 +283,12 @@ def compare(
     snapshots: bool = True,
     block_rows: int = 256,
     progress: ProgressCallback | None = None,
+    strict: bool = False,
 ) -> CompareReport:
     """Compare two runs (see module docstring). ``atol``/``rtol`` override every kind's
     default; ``tolerances`` sets them per kind (``{'grad': {'atol': .., 'rtol': ..}}``).
+    ``strict``: the stores must be identical in structure too (kinds, tensors, metrics,
+    steps, snapshot steps, specs and manifest fields), not only in the data both hold.
 
     ``progress(stage, done, total)`` is called as work is done; a unit is one block of
     ``block_rows`` common rows of one kind's stats, one tensor's snapshots, or the metrics.
@@ -362,6 +390,17 @@ def compare(
         )
 
     tracker.finish()
+    not_compared: list[StructuralDiff] = []
+    if not strict:
+        kept = []
+        for d in structural:
+            if d.what in _COVERAGE:
+                not_compared.append(d)
+            elif d.what == "manifest" or (d.what == "spec" and d.field in _HINT_FIELDS):
+                notes.append(f"{d.message} (metadata, not compared)")
+            else:
+                kept.append(d)
+        structural = kept
     diffs = [a.d for a in accs]
     for d in diffs:
         d.max_abs = finite_float(d.max_abs) if d.max_abs is not None else None
@@ -384,7 +423,9 @@ def compare(
         b=rb.url,
         identical=identical,
         verdict="identical" if identical else "differs",
+        mode="strict" if strict else "shared",
         structural=structural,
+        not_compared=not_compared,
         notes=notes,
         tensors=diffs,
         first_divergence=first,
