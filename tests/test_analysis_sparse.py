@@ -98,7 +98,11 @@ def test_torch_module_gets_its_own_names_and_layouts(tmp_path):
             rec.log(t, loss=loss.item())
     before = {k: v.clone() for k, v in net.state_dict().items()}
     run = traintape.open_run(url)
-    q = sparse_update_from_run(run, net, torch.as_tensor(PROBE), thresholds=(1e-3, 1e-2))
+    with pytest.raises(TypeError, match="as_forward"):
+        sparse_update_from_run(run, net, torch.as_tensor(PROBE))
+    q = sparse_update_from_run(
+        run, ttorch.as_forward(net), torch.as_tensor(PROBE), thresholds=(1e-3, 1e-2)
+    )
     assert (q.step_old, q.step_new) == (0, 10)
     # the module's weights are restored
     assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())

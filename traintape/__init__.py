@@ -4,6 +4,7 @@ Framework adapters are imported on use only: ``import traintape`` imports no ML
 framework. ``traintape.jax``, ``traintape.torch`` and ``traintape.tf`` load theirs.
 """
 
+from traintape._version import __version__
 from traintape.core import (
     CaptureDisabledError,
     NotAStoreError,
@@ -17,8 +18,6 @@ from traintape.core import (
     validate,
 )
 from traintape.schema import SCHEMA_VERSION, STAT_NAMES, CapturePolicy, Kind, TensorSpec
-
-__version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> object:

@@ -797,7 +797,11 @@ def sparse_update(
             model = model()
         except Exception as e:
             _fail(f"--forward {forward!r}: cannot build {model.__name__}(): {e}")
-    if not callable(model) and not is_torch_module(model):
+    if is_torch_module(model):
+        from traintape.torch import as_forward
+
+        model = as_forward(model)
+    if not callable(model):
         _fail(f"--forward {forward!r} is neither a callable nor a torch.nn.Module")
     batch = _load_inputs(inputs)
     thresholds = tuple(threshold) if threshold else DEFAULT_THRESHOLDS

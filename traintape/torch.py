@@ -15,7 +15,9 @@ See :mod:`traintape.adapters.torch` for names, layouts and step semantics.
 
 from traintape.adapters.torch import (
     ModelLayout,
+    TorchForward,
     WatchHandle,
+    as_forward,
     from_canonical,
     model_layout,
     stat_vectors,
@@ -25,7 +27,9 @@ from traintape.adapters.torch import (
 
 __all__ = [
     "ModelLayout",
+    "TorchForward",
     "WatchHandle",
+    "as_forward",
     "from_canonical",
     "model_layout",
     "stat_vectors",

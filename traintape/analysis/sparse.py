@@ -13,9 +13,9 @@ last axis, and ``kept`` = fraction of Δ entries kept.
 
 ``forward`` may be any Python callable ``(params, inputs) -> outputs`` where ``params`` has
 the same structure as ``params_old`` (a dict of numpy/JAX arrays or nested dicts/lists
-thereof), or a ``torch.nn.Module``: then ``params_old``/``delta`` map its
-``named_parameters()`` names to arrays and the module is called with
-``torch.func.functional_call``. No framework is imported unless a torch module is passed.
+thereof). For a torch module pass ``traintape.torch.as_forward(module)``: a forward in the
+module's own names and layouts (``params_old``/``delta`` keyed by ``named_parameters()``),
+called with ``torch.func.functional_call``. This module imports no framework.
 
 From a recorded run, :func:`sparse_update_from_run` takes ``θ_old`` and ``Δ`` from two
 param snapshots (``CapturePolicy(full_every=N)`` records them); the command line is
@@ -40,9 +40,9 @@ Example (a numpy forward on canonical names; a JAX function works the same)::
     # or with explicit θ_old and Δ (any pytree of arrays the forward understands):
     q = sparse_update_quality(forward, params_old, delta, x, thresholds=(1e-6, 1e-4))
 
-With a ``torch.nn.Module`` instead of ``forward``, :func:`sparse_update_from_run` loads
-the canonical snapshots into the module (:func:`traintape.torch.from_canonical`) to get
-them in its own names and layouts, and restores the module's weights afterwards.
+With ``traintape.torch.as_forward(module)``, :func:`sparse_update_from_run` converts the
+canonical snapshots to the module's names and layouts through its ``native_params``
+(:func:`traintape.torch.from_canonical`; the module's weights are restored afterwards).
 """
 
 from __future__ import annotations
@@ -58,7 +58,6 @@ from traintape.analysis.change import DEFAULT_THRESHOLDS
 from traintape.schema import Kind
 
 if TYPE_CHECKING:
-    from traintape.core.naming import NameMap
     from traintape.core.reader import Run
 
 
@@ -136,22 +135,7 @@ def is_torch_module(obj: Any) -> bool:
 
 
 def _make_forward(forward: Any, inputs: Any) -> Callable[[Any], np.ndarray]:
-    if is_torch_module(forward):
-        import torch
-        from torch.func import functional_call
-
-        ref = next(forward.parameters())
-
-        def run_torch(params: Mapping[str, np.ndarray]) -> np.ndarray:
-            tp = {
-                k: torch.as_tensor(np.asarray(v), dtype=ref.dtype, device=ref.device)
-                for k, v in params.items()
-            }
-            args = inputs if isinstance(inputs, tuple) else (inputs,)
-            with torch.no_grad():
-                return _to_numpy(functional_call(forward, tp, args))
-
-        return run_torch
+    _refuse_module(forward)
 
     def run_fn(params: Any) -> np.ndarray:
         return _to_numpy(forward(params, inputs))
@@ -172,8 +156,9 @@ def sparse_update_quality(
     """Compare the full update with magnitude- and random-masked sparse updates.
 
     Args:
-        forward: ``callable(params, inputs) -> outputs`` (numpy or JAX), or a torch Module
-            (then ``params_old``/``delta`` are keyed by its ``named_parameters()`` names).
+        forward: ``callable(params, inputs) -> outputs`` (numpy, JAX, or
+            ``traintape.torch.as_forward(module)``: then ``params_old``/``delta`` are keyed
+            by its ``named_parameters()`` names).
         params_old: θ_old, a pytree (dict/list) of arrays in the layout ``forward`` expects.
         delta: Δ with the same structure (e.g. θ_new − θ_old).
         inputs: the probe batch passed to ``forward`` (a tuple is unpacked for torch).
@@ -263,7 +248,6 @@ def sparse_update_from_run(
     thresholds: Sequence[float] = DEFAULT_THRESHOLDS,
     *,
     seed: int = 0,
-    name_map: NameMap = None,
     progress: ProgressCallback | None = None,
 ) -> SparseUpdateQuality:
     """:func:`sparse_update_quality` with ``θ_old`` and ``Δ`` from two param snapshots.
@@ -271,10 +255,9 @@ def sparse_update_from_run(
     Args:
         run: an open run with param snapshots (``CapturePolicy(full_every=N)``).
         forward: ``callable(params, inputs)`` taking ``{canonical name: array}`` in
-            canonical layout (e.g. a Dense ``kernel`` is (in, out)), or a
-            ``torch.nn.Module`` (the snapshots are loaded into it with
-            :func:`traintape.torch.from_canonical` and ``name_map``; its weights are
-            restored afterwards).
+            canonical layout (e.g. a Dense ``kernel`` is (in, out)), or a framework's
+            forward with ``native_params`` such as ``traintape.torch.as_forward(module,
+            name_map)`` (the snapshots are converted to its names and layouts).
         inputs: the probe batch passed to ``forward``.
         step_old, step_new: snapshot steps (default: the first and the last).
         thresholds, seed: as in :func:`sparse_update_quality`.
@@ -309,8 +292,10 @@ def sparse_update_from_run(
         tracker.advance()
         new[n] = run.snapshot(n, Kind.PARAM, s1)
         tracker.advance()
-    if is_torch_module(forward):
-        old, new = _torch_params(forward, old, new, name_map)
+    _refuse_module(forward)
+    native = getattr(forward, "native_params", None)
+    if native is not None:  # a framework's forward (traintape.torch.as_forward)
+        old, new = native(old), native(new)
     delta = {k: new[k].astype(np.float64) - old[k].astype(np.float64) for k in old}
     q = sparse_update_quality(
         forward, old, delta, inputs, thresholds, seed=seed, progress=tracker.child()
@@ -320,21 +305,9 @@ def sparse_update_from_run(
                                 "tensors": len(names)})  # fmt: skip
 
 
-def _torch_params(
-    model: Any, old: dict[str, np.ndarray], new: dict[str, np.ndarray], name_map: NameMap
-) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """Canonical θ_old/θ_new → the module's ``named_parameters()`` names and layouts."""
-    import torch
-
-    from traintape.torch import from_canonical
-
-    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    try:
-        out = []
-        for canon in (old, new):
-            from_canonical(model, canon, name_map=name_map, strict=False)
-            out.append({k: p.detach().cpu().numpy().copy() for k, p in model.named_parameters()})
-    finally:
-        with torch.no_grad():
-            model.load_state_dict(saved)
-    return out[0], out[1]
+def _refuse_module(forward: Any) -> None:
+    if is_torch_module(forward):
+        raise TypeError(
+            "sparse update: got a torch.nn.Module; pass traintape.torch.as_forward(module) "
+            "(traintape.analysis imports no framework)"
+        )

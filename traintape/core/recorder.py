@@ -28,6 +28,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 from pydantic import ValidationError
 
+from traintape._version import __version__
 from traintape.core.errors import (
     CaptureDisabledError,
     NotAStoreError,
@@ -61,8 +62,6 @@ from traintape.schema.policy import StepPlan
 
 
 def default_producer(**fields: Any) -> Producer:
-    from traintape import __version__
-
     base: dict[str, Any] = {
         "traintape_version": __version__,
         "python_version": platform.python_version(),
