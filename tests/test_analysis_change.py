@@ -88,7 +88,9 @@ def test_sparse_update_quality_torch_module():
     rng = np.random.default_rng(1)
     delta = {k: (rng.standard_normal(v.shape) * 0.1).astype(np.float32) for k, v in old.items()}
     x = torch.randn(16, 4)
-    q = sparse_update_quality(model, old, delta, x, thresholds=(0.0,))
+    from traintape.torch import as_forward
+
+    q = sparse_update_quality(as_forward(model), old, delta, x, thresholds=(0.0,))
     assert q.results[0].kept == pytest.approx(1.0, abs=1e-3)
     assert q.results[0].cosine == pytest.approx(1.0)
     assert q.baseline.mse > 0

@@ -278,13 +278,16 @@ def test_storage_failure_disables_capture_keeps_committed(run_dir, monkeypatch, 
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(StoreWriter, "_commit", boom)
-    for s in range(4, 10):  # training goes on; capture disables itself
-        rec.record(s, "param", _tensors(rng, s))
-    rec.flush()
+    with pytest.warns(RuntimeWarning, match="Capture is DISABLED") as warned:
+        for s in range(4, 10):  # training goes on; capture disables itself
+            rec.record(s, "param", _tensors(rng, s))
+        rec.flush()
+    assert len([w for w in warned if "Capture is DISABLED" in str(w.message)]) == 1  # once
     assert not rec.enabled and isinstance(rec.error, OSError)
     assert rec.record(11, "param", _tensors(rng, 11)) is False
-    rec.close()
-    assert "Capture is DISABLED" in capsys.readouterr().err
+    with pytest.raises(tt.CaptureDisabledError, match="No space left") as info:
+        rec.close()  # the user learns it at close at the latest
+    assert isinstance(info.value.__cause__, OSError)
     run = tt.open_run(run_dir)
     assert run.rows == committed and run.manifest.writer.disabled
     monkeypatch.undo()

@@ -393,13 +393,13 @@ def compare(
     not_compared: list[StructuralDiff] = []
     if not strict:
         kept = []
-        for d in structural:
-            if d.what in _COVERAGE:
-                not_compared.append(d)
-            elif d.what == "manifest" or (d.what == "spec" and d.field in _HINT_FIELDS):
-                notes.append(f"{d.message} (metadata, not compared)")
+        for sd in structural:
+            if sd.what in _COVERAGE:
+                not_compared.append(sd)
+            elif sd.what == "manifest" or (sd.what == "spec" and sd.field in _HINT_FIELDS):
+                notes.append(f"{sd.message} (metadata, not compared)")
             else:
-                kept.append(d)
+                kept.append(sd)
         structural = kept
     diffs = [a.d for a in accs]
     for d in diffs:

@@ -38,6 +38,14 @@ class KvStore:
         self.url = normalize_url(url)
         self._kv = ts.KvStore.open(self.url, context=CONTEXT).result()
 
+    @property
+    def kv(self) -> ts.KvStore:
+        """The TensorStore kvstore (for conditional writes: :mod:`traintape.core.claim`)."""
+        return self._kv
+
+    def delete(self, key: str) -> None:
+        self._kv.write(key, None).result()
+
     def read_bytes(self, key: str) -> bytes | None:
         r = self._kv.read(key).result()
         return None if r.state == "missing" else bytes(r.value)

@@ -29,6 +29,7 @@ from numpy.typing import ArrayLike
 from pydantic import ValidationError
 
 from traintape._version import __version__
+from traintape.core.claim import STALE_AFTER, WriterClaim
 from traintape.core.errors import (
     CaptureDisabledError,
     NotAStoreError,
@@ -110,6 +111,7 @@ class Recorder:
         strict: bool = False,
         compression: str = "none",
         user: Mapping[str, Any] | None = None,
+        claim_stale_after: float = STALE_AFTER,
     ) -> None:
         if flush_every_steps < 1:
             raise ValueError(f"flush_every_steps must be >= 1, got {flush_every_steps}")
@@ -119,7 +121,39 @@ class Recorder:
         self.strict = strict
         self._lock = threading.RLock()  # guards manifest and row state; never held in put()
         self._put_lock = threading.Lock()  # keeps hand-over order; may block on a full queue
-        existing = _prepare_location(self.url)
+        _prepare_location(self.url)  # refuse a foreign location before writing anything
+        self._claim = WriterClaim(KvStore(self.url).kv, self.url, stale_after=claim_stale_after)
+        self._claim.acquire()  # one writer per store: a live one makes this raise
+        try:
+            existing = _prepare_location(self.url, clean_leftovers=True)  # as it is now
+            self._open(existing, policy, run_id, producer, flush_every_steps,
+                       flush_every_seconds, max_pending, max_pending_bytes, compression,
+                       user)  # fmt: skip
+        except BaseException:
+            self._claim.release()
+            raise
+        if self._claim.took_over is not None:
+            self.event(
+                self._rows.last_sealed or 0,
+                "note",
+                f"took over the writer claim of a dead or silent writer "
+                f"({self._claim.took_over.describe()})",
+                severity=Severity.WARNING,
+            )
+
+    def _open(
+        self,
+        existing: Manifest | None,
+        policy: CapturePolicy | None,
+        run_id: str | None,
+        producer: Producer | None,
+        flush_every_steps: int,
+        flush_every_seconds: float,
+        max_pending: int,
+        max_pending_bytes: int,
+        compression: str,
+        user: Mapping[str, Any] | None,
+    ) -> None:
         if existing is not None:
             m = existing
             if policy is not None and policy != m.policy:
@@ -154,6 +188,7 @@ class Recorder:
                 flush_every_seconds=flush_every_seconds,
                 max_pending=max_pending,
                 max_pending_bytes=max_pending_bytes,
+                claim=self._claim,
             )
             if existing is None:
                 self._writer._write_manifest(m.model_copy(deep=True))
@@ -547,9 +582,15 @@ class Recorder:
         with self._lock:
             self._closed = True
         self._writer.close()
+        self._writer.release_claim()
         if err is not None:
             raise err
-        self._raise_if_strict()
+        failure = self._writer.error
+        if failure is not None:  # training went on; the user learns it here at the latest
+            raise CaptureDisabledError(
+                f"capture to {self.url} was disabled during the run: "
+                f"{type(failure).__name__}: {failure}"
+            ) from failure
 
     def _raise_if_strict(self) -> None:
         err = self._writer.error
@@ -612,33 +653,59 @@ def read_manifest(url: str) -> Manifest:
         raise NotAStoreError(f"{url}: manifest does not match schema: {e}") from e
 
 
-def _prepare_location(url: str) -> Manifest | None:
-    """Check the location before training starts; return the manifest if resuming."""
+_OURS = (".traintape",)
+"""Entries of a store location that are the writer claim's, not data."""
+
+
+def _leftover(name: str) -> bool:
+    """Lock files of a write that never finished (e.g. ``zarr.json.__lock`` of a store
+    whose creation was killed)."""
+    return name.endswith(".__lock")
+
+
+def _prepare_location(url: str, *, clean_leftovers: bool = False) -> Manifest | None:
+    """Check the location before training starts; return the manifest if resuming.
+
+    A location holding only the writer claim and lock files of an interrupted creation
+    is a new store (``clean_leftovers``: those lock files are removed — call it only
+    while holding the writer claim).
+    """
     path = local_path(url)
     if path is not None:
         if os.path.exists(path) and not os.path.isdir(path):
             raise StoreError(f"{path} exists and is not a directory")
-        parent = os.path.dirname(path.rstrip("/")) or "/"
-        probe = parent
-        while not os.path.exists(probe):
-            probe = os.path.dirname(probe)
-        if not os.path.isdir(probe):
-            raise StoreError(f"cannot create a store at {path}: {probe} is not a directory")
-        if not os.access(probe, os.W_OK):
-            raise StoreError(f"cannot create a store at {path}: {probe} is not writable")
-        if os.path.isdir(path) and os.listdir(path):
-            if not os.path.exists(os.path.join(path, "zarr.json")):
-                found = sorted(os.listdir(path))[:5]
-                raise StoreError(
-                    f"{path} is not empty and is not a traintape store (found {found}); "
-                    f"choose an empty or new directory"
-                )
+        if not os.path.isdir(path):  # to be created: its nearest existing parent is written
+            probe = os.path.dirname(path.rstrip("/")) or "/"
+            while not os.path.exists(probe):
+                probe = os.path.dirname(probe)
+            if not os.path.isdir(probe):
+                raise StoreError(f"cannot create a store at {path}: {probe} is not a directory")
+            if not os.access(probe, os.W_OK):
+                raise StoreError(f"cannot create a store at {path}: {probe} is not writable")
+            return None
+        if not os.access(path, os.W_OK):
+            raise StoreError(f"cannot write the store at {path}: the directory is not writable")
+        entries = [e for e in os.listdir(path) if e not in _OURS]
+        if os.path.exists(os.path.join(path, "zarr.json")):
             return read_manifest(url)
+        data = [e for e in entries if not _leftover(e)]
+        if data:
+            raise StoreError(
+                f"{path} is not empty and is not a traintape store (found {sorted(data)[:5]}); "
+                f"choose an empty or new directory"
+            )
+        if clean_leftovers:
+            for e in entries:
+                os.unlink(os.path.join(path, e))
         return None
     kv = KvStore(url)
     if kv.read_bytes("zarr.json") is not None:
         return read_manifest(url)
-    keys = kv.list()
-    if keys:
-        raise StoreError(f"{url} is not empty and is not a traintape store (found {keys[:5]})")
+    keys = [k for k in kv.list() if not k.startswith(tuple(o + "/" for o in _OURS))]
+    data = [k for k in keys if not _leftover(k)]
+    if data:
+        raise StoreError(f"{url} is not empty and is not a traintape store (found {data[:5]})")
+    if clean_leftovers:
+        for k in keys:
+            kv.delete(k)
     return None

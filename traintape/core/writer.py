@@ -16,9 +16,9 @@ import bisect
 import functools
 import logging
 import queue
-import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +27,7 @@ import numpy as np
 import tensorstore as ts
 
 from traintape.core import layout as L
+from traintape.core.claim import WriterClaim
 from traintape.core.kvstore import CONTEXT, KvStore, join
 from traintape.schema import MANIFEST_ATTR, N_STATS, CommitMark, Kind, Manifest
 
@@ -70,6 +71,7 @@ class StoreWriter:
         flush_every_seconds: float,
         max_pending: int,
         max_pending_bytes: int = 1 << 30,
+        claim: WriterClaim | None = None,
     ) -> None:
         self.url = url
         self.kv = KvStore(url)
@@ -99,6 +101,9 @@ class StoreWriter:
         self._writer_stats = manifest.writer.model_copy()
         self._stats_lock = threading.Lock()
         self._last_commit = time.monotonic()
+        self._claim = claim
+        self._heartbeat_every = claim.stale_after / 3 if claim is not None else None
+        self._last_heartbeat = time.monotonic()
         self.error: BaseException | None = None
         self._last_good: Manifest = manifest.model_copy(deep=True)
         self._open_existing(manifest)
@@ -161,15 +166,22 @@ class StoreWriter:
     def _run(self) -> None:
         while True:
             dirty = bool(self._rows or self._pending)
-            timeout = (
-                max(0.0, self._last_commit + self.flush_every_seconds - time.monotonic())
-                if dirty
+            now = time.monotonic()
+            commit_in = self._last_commit + self.flush_every_seconds - now if dirty else None
+            beat_in = (
+                self._last_heartbeat + self._heartbeat_every - now
+                if self._heartbeat_every is not None and self.error is None
                 else None
             )
+            waits = [w for w in (commit_in, beat_in) if w is not None]
+            timeout = max(0.0, min(waits)) if waits else None
             try:
                 item = self._deferred.pop(0) if self._deferred else self._queue.get(timeout=timeout)
             except queue.Empty:
-                self._guarded(self._commit)
+                if dirty and time.monotonic() >= self._last_commit + self.flush_every_seconds:
+                    self._guarded(self._commit)
+                else:
+                    self._guarded(self._heartbeat)
                 continue
             if isinstance(item, _Control):
                 if item.op == "close":
@@ -215,18 +227,38 @@ class StoreWriter:
         except BaseException as e:
             self._fail(e)
 
+    def _heartbeat(self) -> None:
+        """Renew the writer claim (raises StoreError when it was lost: store removed,
+        renamed or taken over)."""
+        if self._claim is not None:
+            self._claim.refresh()
+        self._last_heartbeat = time.monotonic()
+
+    def release_claim(self) -> None:
+        if self._claim is not None:
+            self._claim.release()
+
     def _fail(self, e: BaseException) -> None:
         self.error = e
         self._rows.clear()
         self._pending.clear()
         self._release_bytes(everything=True)
-        msg = (
-            f"traintape: storage failure writing {self.url}: {type(e).__name__}: {e}. "
-            f"Capture is DISABLED for the rest of this run; the {self.rows_committed} rows "
-            f"committed so far stay readable."
-        )
-        log.error(msg)
-        print(msg, file=sys.stderr, flush=True)
+        lost = self._claim is not None and not self._claim.held
+        if lost:  # the store is gone or another writer owns it: say so, write nothing
+            msg = (
+                f"traintape: {e}. Capture is DISABLED for the rest of this run; nothing more "
+                f"is written to {self.url}."
+            )
+        else:
+            msg = (
+                f"traintape: storage failure writing {self.url}: {type(e).__name__}: {e}. "
+                f"Capture is DISABLED for the rest of this run; the {self.rows_committed} "
+                f"rows committed so far stay readable."
+            )
+        log.debug(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=2)  # once, from the writer thread
+        if lost:
+            return
         # Best effort: say so in the manifest, keeping the last good commit mark.
         try:
             m = self._last_good.model_copy(deep=True)
@@ -237,6 +269,7 @@ class StoreWriter:
             self._write_manifest(m)
         except Exception:
             pass
+        self.release_claim()
 
     def writer_stats(self) -> Any:
         with self._stats_lock:
@@ -354,6 +387,8 @@ class StoreWriter:
         steps.append(snap.step)
 
     def _commit(self, final: bool = False) -> None:
+        # still our store? (removed, renamed or taken over: StoreError, nothing written)
+        self._heartbeat()
         m = self._manifest_copy()
         rows = self._rows
         r0 = self.rows_committed

@@ -1,0 +1,188 @@
+"""One writer per store (the writer claim), stale claims, a store removed mid-run,
+leftovers of an interrupted creation, and resuming under a read-only parent."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import traintape as tt
+from traintape.core.claim import CLAIM_KEY
+
+
+def _w(t: int) -> dict[str, np.ndarray]:
+    return {"fc/kernel": np.full((2, 3), float(t), np.float32)}
+
+
+def test_second_recorder_in_the_same_process_is_refused(run_dir: str) -> None:
+    first = tt.Recorder(run_dir, flush_every_steps=2)
+    first.record(0, "param", _w(0))
+    with pytest.raises(tt.StoreError) as info:
+        tt.Recorder(run_dir)
+    msg = str(info.value)
+    assert run_dir in msg and f"pid {os.getpid()}" in msg and socket.gethostname() in msg
+    assert "since" in msg
+    for t in range(1, 5):  # the first writer is untouched
+        first.record(t, "param", _w(t))
+    first.close()
+    run = tt.open_run(run_dir)
+    assert run.steps.tolist() == [0, 1, 2, 3, 4]
+    assert tt.validate(run_dir).ok
+    assert not (Path(run_dir) / ".traintape").exists()  # released at close
+    with tt.Recorder(run_dir) as again:  # and the store can be resumed afterwards
+        again.record(5, "param", _w(5))
+    assert tt.open_run(run_dir).steps.tolist() == list(range(6))
+
+
+CHILD = textwrap.dedent(
+    """
+    import sys, numpy as np, traintape as tt
+    rec = tt.Recorder(sys.argv[1], flush_every_steps=1)
+    for t in range(3):
+        rec.record(t, "param", {"fc/kernel": np.full((2, 3), float(t), np.float32)})
+    rec.flush()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    """
+)
+
+
+def test_live_writer_in_another_process_is_refused_and_a_killed_one_taken_over(
+    run_dir: str,
+) -> None:
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, run_dir],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        with pytest.raises(tt.StoreError, match=f"pid {child.pid}"):
+            tt.Recorder(run_dir)
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    # the writer died: its claim is stale at once (same host, pid gone); resume after it
+    with tt.Recorder(run_dir) as rec:
+        last = rec.manifest.commit.last_step
+        rec.record(last + 1, "param", _w(last + 1))
+    run = tt.open_run(run_dir)
+    assert run.steps.tolist()[-1] == last + 1 and tt.validate(run_dir).ok
+    notes = [e for e in run.events() if e.type == "note" and "took over" in e.message]
+    assert notes and str(child.pid) in notes[0].message
+
+
+def _plant_claim(run_dir: str, heartbeat: float) -> None:
+    p = Path(run_dir) / CLAIM_KEY
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps({"session": "x", "host": "elsewhere", "pid": 1,
+                             "started_at": "2026-01-01T00:00:00+00:00",
+                             "heartbeat": heartbeat}))  # fmt: skip
+
+
+def test_claim_of_another_host_is_refused_while_fresh_and_taken_over_when_stale(
+    run_dir: str,
+) -> None:
+    with tt.Recorder(run_dir) as rec:
+        rec.record(0, "param", _w(0))
+    _plant_claim(run_dir, time.time())
+    with pytest.raises(tt.StoreError, match="host elsewhere, pid 1"):
+        tt.Recorder(run_dir, claim_stale_after=30)
+    _plant_claim(run_dir, time.time() - 100)
+    with tt.Recorder(run_dir, claim_stale_after=30) as rec:
+        rec.record(1, "param", _w(1))
+    assert tt.open_run(run_dir).steps.tolist() == [0, 1]
+
+
+def test_racing_creators_exactly_one_wins(tmp_path: Path) -> None:
+    for trial in range(5):
+        url = str(tmp_path / f"race{trial}")
+        won: list[tt.Recorder] = []
+        lost: list[BaseException] = []
+        barrier = threading.Barrier(3)
+
+        def go(barrier=barrier, won=won, lost=lost, url=url) -> None:
+            barrier.wait()
+            try:
+                won.append(tt.Recorder(url))
+            except tt.StoreError as e:
+                lost.append(e)
+
+        threads = [threading.Thread(target=go) for _ in range(3)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert len(won) == 1 and len(lost) == 2, (won, lost)
+        won[0].record(0, "param", _w(0))
+        won[0].close()
+        assert tt.open_run(url).rows == 1
+
+
+def test_store_removed_mid_run_is_reported_truthfully(run_dir: str) -> None:
+    rec = tt.Recorder(run_dir, flush_every_steps=1)
+    rec.record(0, "param", _w(0))
+    rec.flush()
+    shutil.rmtree(run_dir)
+    with pytest.warns(RuntimeWarning, match="removed or moved") as warned:
+        rec.record(1, "param", _w(1))
+        rec.record(2, "param", _w(2))
+        rec.flush()
+    assert not any("stay readable" in str(w.message) for w in warned)
+    assert not rec.enabled
+    with pytest.raises(tt.CaptureDisabledError, match="removed or moved"):
+        rec.close()
+    assert not os.path.exists(os.path.join(run_dir, "zarr.json"))  # nothing recreated
+
+
+def test_leftover_lock_of_an_interrupted_creation_is_cleaned(run_dir: str) -> None:
+    os.makedirs(run_dir)
+    Path(run_dir, "zarr.json.__lock").write_bytes(b"")
+    with tt.Recorder(run_dir) as rec:
+        rec.record(0, "param", _w(0))
+    assert not Path(run_dir, "zarr.json.__lock").exists()
+    assert tt.validate(run_dir).ok
+
+
+def test_foreign_directory_is_refused_and_left_untouched(run_dir: str) -> None:
+    os.makedirs(run_dir)
+    Path(run_dir, "thesis.tex").write_text("chapter 1")
+    with pytest.raises(tt.StoreError, match="not empty and is not a traintape store"):
+        tt.Recorder(run_dir)
+    assert os.listdir(run_dir) == ["thesis.tex"]
+
+
+def test_resume_under_a_read_only_parent(tmp_path: Path, monkeypatch) -> None:
+    """Resuming writes inside the store only: a read-only parent directory is fine (the
+    parent is only checked when the store must be created). Simulated with os.access,
+    since root (CI) ignores directory permissions."""
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    run_dir = str(parent / "run")
+    with tt.Recorder(run_dir) as rec:
+        rec.record(0, "param", _w(0))
+    real = os.access
+    monkeypatch.setattr(
+        os, "access", lambda p, mode: False if str(p).rstrip("/") == str(parent) else real(p, mode)
+    )
+    with tt.Recorder(run_dir) as rec:
+        rec.record(1, "param", _w(1))
+    assert tt.open_run(run_dir).steps.tolist() == [0, 1]
+    with pytest.raises(tt.StoreError, match="not writable"):
+        tt.Recorder(str(parent / "new"))
