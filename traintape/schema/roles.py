@@ -66,7 +66,18 @@ LayerKind = Literal[
 """The closed set of canonical layer kinds (``TensorSpec.layer_kind``)."""
 
 LAYER_KINDS: Final[frozenset[str]] = frozenset(get_args(LayerKind))
-assert {DENSE, CONV, EMBED, LAYER_NORM, RMS_NORM, GROUP_NORM, BATCH_NORM, ATTENTION, LSTM, GRU} == LAYER_KINDS
+assert {
+    DENSE,
+    CONV,
+    EMBED,
+    LAYER_NORM,
+    RMS_NORM,
+    GROUP_NORM,
+    BATCH_NORM,
+    ATTENTION,
+    LSTM,
+    GRU,
+} == LAYER_KINDS
 
 LSTM_GATES: Final[tuple[str, ...]] = ("i", "f", "g", "o")
 GRU_GATES: Final[tuple[str, ...]] = ("r", "z", "n")
