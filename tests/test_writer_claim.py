@@ -186,3 +186,67 @@ def test_resume_under_a_read_only_parent(tmp_path: Path, monkeypatch) -> None:
     assert tt.open_run(run_dir).steps.tolist() == [0, 1]
     with pytest.raises(tt.StoreError, match="not writable"):
         tt.Recorder(str(parent / "new"))
+
+
+def test_resume_after_a_kill_between_trimming_arrays(run_dir: str) -> None:
+    """A kill during close() of a resumed run can leave some row arrays trimmed to the
+    committed rows and others padded: every array is grown from its own shape."""
+    import tensorstore as ts
+
+    with tt.Recorder(run_dir, flush_every_steps=4) as rec:
+        for t in range(21):
+            rec.record(t, "param", _w(t))
+            rec.log(t, loss=float(t))
+    # as if close() had been killed after trimming stats/param but before trimming steps:
+    steps = ts.open({"driver": "zarr3", "kvstore": f"file://{run_dir}/steps"}).result()
+    steps.resize(exclusive_max=[1024], expand_only=True).result()
+    with tt.Recorder(run_dir) as rec:
+        for t in range(21, 30):
+            rec.record(t, "param", _w(t))
+            rec.log(t, loss=float(t))
+        assert rec.enabled
+    run = tt.open_run(run_dir)
+    assert run.steps.tolist() == list(range(30))
+    assert run.metrics()["loss"].tolist() == [float(t) for t in range(30)]
+    assert tt.validate(run_dir).ok
+
+
+def test_rm_deletes_only_the_store(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from traintape.cli import app
+
+    run_dir = str(tmp_path / "run")
+    with tt.Recorder(run_dir, tt.CapturePolicy(full_every=1)) as rec:
+        for t in range(3):
+            rec.record(t, "param", _w(t))
+            rec.log(t, loss=1.0)
+    Path(run_dir, "thesis.tex").write_text("chapter 1")
+    Path(run_dir, "notes").mkdir()
+    Path(run_dir, "notes", "a.txt").write_text("x")
+    r = CliRunner().invoke(app, ["rm", run_dir, "--yes"])
+    assert r.exit_code == 0, r.output
+    assert "left 2 entries" in r.output and "thesis.tex" in r.output
+    assert sorted(os.listdir(run_dir)) == ["notes", "thesis.tex"]
+    assert Path(run_dir, "notes", "a.txt").read_text() == "x"
+    # a store alone: the directory goes too
+    other = str(tmp_path / "other")
+    with tt.Recorder(other) as rec:
+        rec.record(0, "param", _w(0))
+    assert CliRunner().invoke(app, ["rm", other, "-y"]).exit_code == 0
+    assert not os.path.exists(other)
+
+
+def test_rm_on_a_symlink_names_the_target(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from traintape.cli import app
+
+    run_dir = str(tmp_path / "run")
+    with tt.Recorder(run_dir) as rec:
+        rec.record(0, "param", _w(0))
+    link = tmp_path / "link"
+    link.symlink_to(run_dir)
+    r = CliRunner().invoke(app, ["rm", str(link), "--yes"])
+    assert r.exit_code == 2 and "symbolic link" in r.output and run_dir in r.output
+    assert tt.open_run(run_dir).rows == 1  # nothing deleted

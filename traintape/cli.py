@@ -595,22 +595,38 @@ def rm(
     run: str = typer.Argument(..., help="run directory or URL"),
     yes: bool = typer.Option(False, "--yes", "-y", help="do not ask"),
 ) -> None:
-    """Delete a run store (only something that is a traintape store)."""
-    import shutil
+    """Delete a run store: only what belongs to it (its arrays, manifest and writer claim);
+    anything else in the directory is left where it is, and listed."""
+    from traintape.core.kvstore import KvStore, local_path, normalize_url
+    from traintape.core.layout import store_keys
 
-    from traintape.core.kvstore import KvStore, local_path
-
+    path = local_path(normalize_url(run))
+    if path is not None and os.path.islink(path.rstrip("/")):
+        target = os.path.realpath(path)
+        _fail(
+            f"{run} is a symbolic link to {target}",
+            f"run `traintape rm {target}` to delete the store",
+        )
     r = _open(run)
-    desc = f"{r.url} ({r.rows} rows, {r.manifest.status})"
-    if not yes and not typer.confirm(f"delete run {desc}?"):
+    desc = f"{escape(r.url)} ({r.rows} rows, {r.manifest.status})"
+    if not yes and not typer.confirm(f"delete run {r.url} ({r.rows} rows, {r.manifest.status})?"):
         console.print("not deleted")
         raise typer.Exit(1)
-    path = local_path(r.url)
-    if path is not None:
-        shutil.rmtree(path)
-    else:
-        KvStore(r.url).delete_all()
+    kv = KvStore(r.url)
+    ours, foreign = store_keys(kv.list())
+    for key in ours:
+        kv.delete(key)
+    if path is not None:  # the file driver leaves directories: remove the empty ones
+        for root, dirs, _files in os.walk(path, topdown=False):
+            for d in dirs:
+                with contextlib.suppress(OSError):
+                    os.rmdir(os.path.join(root, d))
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
     console.print(f"deleted {desc}")
+    if foreign:
+        shown = ", ".join(escape(k) for k in foreign[:10]) + (" ..." if len(foreign) > 10 else "")
+        console.print(f"left {len(foreign)} entries that are not part of the store: {shown}")
 
 
 @app.command()

@@ -66,6 +66,22 @@ def committed_paths(m: Manifest) -> set[str]:
     return paths
 
 
+def store_keys(keys: list[str]) -> tuple[list[str], list[str]]:
+    """Split a store location's keys into the store's own (its manifest, arrays, groups,
+    writer claim and lock files of interrupted writes) and foreign ones."""
+    ours, foreign = [], []
+    for k in keys:
+        top = k.split("/", 1)[0]
+        own = (
+            k == "zarr.json"
+            or top == ".traintape"
+            or (top in (STEPS, STATS, METRICS, SNAPSHOTS, SNAPSHOT_STEPS) and "/" in k)
+            or (k.startswith("zarr.json") and k.endswith(".__lock"))
+        )
+        (ours if own else foreign).append(k)
+    return ours, foreign
+
+
 def is_layout_path(path: str) -> bool:
     """True if ``path`` is where the writer could put an array or group."""
     return path.split("/", 1)[0] in (STEPS, STATS, METRICS, SNAPSHOTS, SNAPSHOT_STEPS)

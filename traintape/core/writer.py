@@ -338,19 +338,22 @@ class StoreWriter:
         return arrays
 
     def _ensure_rows(self, m: Manifest, rows: int) -> None:
+        """Every row array holds at least ``rows`` rows. Each existing array is grown from
+        its own shape: after a kill during ``close()`` of a resumed run some arrays may be
+        trimmed and others not, so no one array's shape stands for all."""
+        block = self.layout.row_block
         if rows > self._row_capacity:
-            block = self.layout.row_block
-            new_cap = -(-rows // block) * block
-            for path in self._row_arrays(m):
-                if self._exists(path):
-                    arr = self._open(path)
-                    self._arrays[path] = arr.resize(
-                        exclusive_max=[new_cap, *arr.shape[1:]], expand_only=True
-                    ).result()
-            self._row_capacity = new_cap
+            self._row_capacity = -(-rows // block) * block
+        cap = self._row_capacity
         for path, meta in self._row_arrays(m).items():
             if not self._exists(path):
                 self._create(path, meta)
+                continue
+            arr = self._open(path)
+            if arr.shape[0] < rows:
+                self._arrays[path] = arr.resize(
+                    exclusive_max=[cap, *arr.shape[1:]], expand_only=True
+                ).result()
 
     # ------------------------------------------------------------------ writes
     def _write_snapshot(self, snap: Snapshot) -> None:
