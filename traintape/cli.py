@@ -515,6 +515,8 @@ def monitor(
 
     from rich.live import Live
 
+    from traintape.schema import STAT_INDEX
+
     if wait > 0 and _store_problem(run) is not None:
         deadline = time.monotonic() + wait
         with console.status(f"waiting for a run at {run} (up to {wait:g} s)"):
@@ -541,7 +543,7 @@ def monitor(
             for kind in ("grad", "update", "param"):
                 if kind not in [k.value for k in r.kinds()]:
                     continue
-                data = r.stats_array(kind, rows=last)[0, :, 4]
+                data = r.stats_array(kind, rows=last)[0, :, STAT_INDEX["l2"]]
                 for n, v in zip(r.tensor_names(kind), data, strict=True):
                     layer = n.rsplit("/", 1)[0]
                     norms.setdefault(f"{kind}:{layer}", []).append(float(v) ** 2)

@@ -15,12 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from traintape.schema import STAT_NAMES, Kind
+from traintape.schema import STAT_INDEX, Kind
 
 if TYPE_CHECKING:
     from traintape.core.reader import Run
 
-STAT = {n: i for i, n in enumerate(STAT_NAMES)}
 KIND_RANK = {
     Kind.PARAM: 0,
     Kind.ACTIVATION: 1,
@@ -199,7 +198,7 @@ def layer_norms(
     if not names or run.rows == 0:
         return run.steps, layers, np.zeros((run.rows, len(layers)))
     data = _stats(run, kind, cache)
-    l2 = data[:, :, STAT["l2"]]
+    l2 = data[:, :, STAT_INDEX["l2"]]
     missing = np.isnan(data).all(axis=2)
     out = np.full((data.shape[0], len(layers)), np.nan)
     col = {layer: i for i, layer in enumerate(layers)}
@@ -222,7 +221,7 @@ def layer_stat(
     layers = ordered_layers(run, kind)
     if not names or run.rows == 0:
         return run.steps, layers, np.zeros((run.rows, len(layers)))
-    data = _stats(run, kind, cache)[:, :, STAT[stat]]
+    data = _stats(run, kind, cache)[:, :, STAT_INDEX[stat]]
     out = np.full((data.shape[0], len(layers)), np.nan)
     for c, layer in enumerate(layers):
         idx = [j for j, n in enumerate(names) if layer_of(n) == layer]

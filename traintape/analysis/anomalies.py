@@ -28,7 +28,6 @@ from pydantic import BaseModel, Field
 
 from traintape.analysis._common import (
     KIND_RANK,
-    STAT,
     ProgressCallback,
     StatsCache,
     Tracker,
@@ -40,7 +39,7 @@ from traintape.analysis._common import (
     robust_z,
     tensor_rank,
 )
-from traintape.schema import Kind, Severity
+from traintape.schema import STAT_INDEX, Kind, Severity
 
 if TYPE_CHECKING:
     from traintape.core.reader import Run
@@ -94,7 +93,7 @@ def _nonfinite(run: Run, cache: StatsCache) -> list[Anomaly]:
     for kind in run.kinds():
         names = run.tensor_names(kind)
         data = cache.get(kind)
-        for typ, col in (("nan", STAT["nan_count"]), ("inf", STAT["inf_count"])):
+        for typ, col in (("nan", STAT_INDEX["nan_count"]), ("inf", STAT_INDEX["inf_count"])):
             cnt = data[:, :, col]
             bad = np.nan_to_num(cnt, nan=0.0) > 0
             for j in np.flatnonzero(bad.any(axis=0)):

@@ -26,7 +26,6 @@ import numpy as np
 from pydantic import BaseModel, Field
 
 from traintape.analysis._common import (
-    STAT,
     ProgressCallback,
     StatsCache,
     Tracker,
@@ -36,7 +35,7 @@ from traintape.analysis._common import (
     layer_of,
     layer_stat,
 )
-from traintape.schema import Kind
+from traintape.schema import STAT_INDEX, Kind
 
 if TYPE_CHECKING:
     from traintape.core.reader import Run
@@ -222,13 +221,13 @@ def health(
     if Kind.GRAD in kinds:
         data = cache.get(Kind.GRAD)
         names = run.tensor_names(Kind.GRAD)
-        nf = data[:, :, STAT["nan_count"]] + data[:, :, STAT["inf_count"]]
+        nf = data[:, :, STAT_INDEX["nan_count"]] + data[:, :, STAT_INDEX["inf_count"]]
         grad_nonfinite = {
             layer: float(np.nansum(nf[:, [j for j, n in enumerate(names) if layer_of(n) == layer]]))
             for layer in layers
         }
         # a layer is "zero" at a step when every grad tensor of it is exactly all-zero
-        zf = data[:, :, STAT["zero_frac"]]
+        zf = data[:, :, STAT_INDEX["zero_frac"]]
         grad_zero_steps = {}
         for layer in layers:
             idx = [j for j, n in enumerate(names) if layer_of(n) == layer]

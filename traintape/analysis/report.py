@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from traintape.analysis._common import (
-    STAT,
     ProgressCallback,
     StatsCache,
     Tracker,
@@ -26,7 +25,7 @@ from traintape.analysis._common import (
 from traintape.analysis.anomalies import AnomalyReport, anomalies
 from traintape.analysis.change import change_from_stats, parameter_change
 from traintape.analysis.health import HealthReport, health
-from traintape.schema import Kind
+from traintape.schema import STAT_INDEX, Kind
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -119,9 +118,13 @@ def _weights_fig(run: Run, cache: StatsCache, max_tensors: int = 8) -> str | Non
     fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 2.6 * rows), squeeze=False)
     for k, n in enumerate(pick):
         ax = axes[k // cols][k % cols]
-        mean, std = data[:, k, STAT["mean"]], data[:, k, STAT["std"]]
+        mean, std = data[:, k, STAT_INDEX["mean"]], data[:, k, STAT_INDEX["std"]]
         ax.fill_between(
-            steps, data[:, k, STAT["min"]], data[:, k, STAT["max"]], alpha=0.15, label="min..max"
+            steps,
+            data[:, k, STAT_INDEX["min"]],
+            data[:, k, STAT_INDEX["max"]],
+            alpha=0.15,
+            label="min..max",
         )
         ax.fill_between(steps, mean - std, mean + std, alpha=0.4, label="mean±std")
         ax.plot(steps, mean, lw=1)

@@ -69,7 +69,8 @@ def committed_paths(m: Manifest) -> set[str]:
 def store_keys(keys: list[str]) -> tuple[list[str], list[str]]:
     """Split a store location's keys into the store's own (its manifest, arrays, groups,
     writer claim and lock files of interrupted writes) and foreign ones."""
-    ours, foreign = [], []
+    ours: list[str] = []
+    foreign: list[str] = []
     for k in keys:
         top = k.split("/", 1)[0]
         own = (
