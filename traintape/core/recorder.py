@@ -169,7 +169,9 @@ class Recorder:
                 run_id=run_id or uuid.uuid4().hex,
                 producer=producer or default_producer(),
                 policy=policy or CapturePolicy(),
-                layout=StoreLayout(row_chunk=flush_every_steps, compression=compression),
+                layout=StoreLayout(
+                    row_chunk=flush_every_steps, compression=compression, all_chunks_stored=True
+                ),
                 user=dict(user or {}),
             )
         self._manifest = m

@@ -131,7 +131,6 @@ class _Checker:
             arr = self.open(path)
             if arr is None:
                 continue
-            arrays[path] = arr
             self.r.arrays_checked += 1
             if arr.dtype.name != dtype:
                 self.problem(f"array {path}: dtype {arr.dtype.name}, declared {dtype}")
@@ -139,7 +138,10 @@ class _Checker:
             if len(got) != len(shape) or any(
                 s is not None and g != s for g, s in zip(got[1:], shape[1:], strict=False)
             ):
+                # its chunks are not enumerated: crafted metadata could make that endless
                 self.problem(f"array {path}: shape {list(got)}, declared {list(shape)}")
+                continue
+            arrays[path] = arr
             need = rows if not path.startswith(("snapshot", "snapshots")) else None
             if need is None:
                 kind = Kind(path.split("/")[1])
@@ -161,6 +163,9 @@ class _Checker:
         self.total_chunks = sum(len(_chunk_grid(arr, n)) for _, arr, n in todo)
         for path, arr, n in todo:
             self.check_chunks(path, arr, n)
+        if m.layout.all_chunks_stored:
+            for path, arr, n in todo:
+                self.check_chunks_exist(path, arr, n)
         for kind in snap_kinds:
             arr = arrays.get(L.snapshot_steps_path(kind))
             if arr is not None and L.STEPS in arrays:
@@ -223,6 +228,23 @@ class _Checker:
                 self.problem(
                     f"array {path}: chunk at {list(origin)} failed to decode ({_short(e)})"
                 )
+
+    def check_chunks_exist(self, path: str, arr: ts.TensorStore, n: int) -> None:
+        """Every chunk of the first ``n`` entries is stored (a missing chunk would read as
+        fill values: rows silently lost). Stores written with ``all_chunks_stored`` keep
+        chunks equal to the fill value too, so a missing key is always a lost chunk."""
+        chunk = _shape(arr.chunk_layout.write_chunk)
+        prefix = f"{path}/c/"
+        try:
+            have = set(self.kv.list(prefix))
+        except Exception as e:
+            self.problem(f"array {path}: cannot list chunks ({_short(e)})")
+            return
+        for sel in _chunk_grid(arr, n):
+            key = prefix + "/".join(str(s.start // c) for s, c in zip(sel, chunk, strict=True))
+            if key not in have:
+                origin = [s.start for s in sel]
+                self.problem(f"array {path}: chunk at {origin} is missing ({key})")
 
     def check_orphans(self, expected: set[str]) -> None:
         groups = L.parent_groups(list(expected))

@@ -102,6 +102,11 @@ class StoreWriter:
         self._stats_lock = threading.Lock()
         self._last_commit = time.monotonic()
         self._claim = claim
+        # chunks equal to the fill value are stored too, so validate can tell a missing
+        # chunk from an all-NaN one (StoreLayout.all_chunks_stored)
+        self._store_all = (
+            {"store_data_equal_to_fill_value": True} if manifest.layout.all_chunks_stored else {}
+        )
         self._heartbeat_every = claim.stale_after / 3 if claim is not None else None
         self._last_heartbeat = time.monotonic()
         self.error: BaseException | None = None
@@ -291,7 +296,7 @@ class StoreWriter:
         arr = self._arrays.get(path)
         if arr is None:
             arr = ts.open(
-                {"driver": "zarr3", "kvstore": join(self.url, path)},
+                {"driver": "zarr3", "kvstore": join(self.url, path), **self._store_all},
                 open=True,
                 context=CONTEXT,
             ).result()
@@ -301,7 +306,12 @@ class StoreWriter:
     def _create(self, path: str, metadata: dict[str, Any]) -> ts.TensorStore:
         self._ensure_groups(path)
         arr = ts.open(
-            {"driver": "zarr3", "kvstore": join(self.url, path), "metadata": metadata},
+            {
+                "driver": "zarr3",
+                "kvstore": join(self.url, path),
+                "metadata": metadata,
+                **self._store_all,
+            },
             create=True,
             delete_existing=True,
             context=CONTEXT,

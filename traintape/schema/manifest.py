@@ -56,6 +56,12 @@ class StoreLayout(_Model):
     )
     compression: Literal["none", "zstd", "blosc"] = "none"
     stats_dtype: Literal["float64"] = "float64"
+    all_chunks_stored: bool = Field(
+        False,
+        description="every chunk the commit mark covers is stored, even one equal to the "
+        "fill value (stores written since schema 1.1.0), so validate can check that each "
+        "exists; False for older stores",
+    )
     bfloat16_storage: Literal["float32"] = Field(
         "float32",
         description="bfloat16 tensors are widened (losslessly) to float32 on disk, because "
