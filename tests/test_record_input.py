@@ -96,3 +96,29 @@ def test_snapshot_shape_error_leaves_the_step_retryable(mem_url: str) -> None:
     assert run.steps.tolist() == [0, 1]
     np.testing.assert_array_equal(run.snapshot("fc/output", "activation", 1), good * 2)
     assert run.stats_array("activation")[1, 0, STAT_INDEX["mean"]] == 2.0
+
+
+def test_user_metadata_numpy_scalars_nan_and_bad_values(mem_url: str) -> None:
+    import threading
+
+    with tt.Recorder(mem_url, user={"lr": np.float32(0.5), "n": np.int64(3),
+                                    "x": float("nan"), "sizes": np.arange(3)}) as rec:  # fmt: skip
+        rec.record(0, "grad", {"fc/kernel": np.zeros((2, 3), np.float32)})
+    user = tt.open_run(mem_url).manifest.user
+    assert user == {"lr": 0.5, "n": 3, "x": "NaN", "sizes": [0, 1, 2]}
+    threads = threading.active_count()
+    with pytest.raises(RecordError, match=r"user\['f'\]: object is not a JSON value"):
+        tt.Recorder(mem_url + "-2", user={"f": object()})
+    assert threading.active_count() == threads  # no writer thread leaked
+
+
+def test_manifest_copy_is_deep(mem_url: str) -> None:
+    with tt.Recorder(mem_url) as rec:
+        rec.record(0, "grad", {"fc/kernel": np.zeros((2, 3), np.float32)})
+        m = rec.manifest
+        m.tensors[0].shape[0] = 99
+        m.user["x"] = 1
+        rec.record(1, "grad", {"fc/kernel": np.zeros((2, 3), np.float32)})
+    run = tt.open_run(mem_url)
+    assert run.steps.tolist() == [0, 1] and run.spec("fc/kernel", "grad").shape == [2, 3]
+    assert "x" not in run.manifest.user

@@ -6,6 +6,7 @@ would become a storage failure that disables capture."""
 from __future__ import annotations
 
 import numbers
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -71,3 +72,53 @@ def check_metric(name: str, value: Any, step: int) -> float:
             f"metric {name!r} at step {step}: value {value!r} ({type(value).__name__}) is "
             f"not a real number: {e}"
         ) from e
+
+
+_JSON_SCALARS = (str, bool, int, float, type(None))
+
+
+def check_user(user: Any) -> dict[str, Any]:
+    """The ``user=`` metadata as plain JSON values, or :class:`RecordError` naming the key.
+
+    numpy scalars become Python numbers and small numpy arrays lists; NaN and ±Inf become
+    the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"`` (the manifest is strict JSON,
+    which has no such numbers); keys must be strings.
+    """
+    if user is None:
+        return {}
+    if not isinstance(user, Mapping):
+        raise RecordError(
+            f"user must be a mapping of str to JSON values, got {type(user).__name__}"
+        )
+    return {_key(k): _json_value(v, f"user[{k!r}]") for k, v in user.items()}
+
+
+def _key(k: Any) -> str:
+    if not isinstance(k, str):
+        raise RecordError(f"user keys must be strings, got {k!r} ({type(k).__name__})")
+    return k
+
+
+def _json_value(v: Any, where: str) -> Any:
+    if isinstance(v, np.generic):
+        v = v.item()
+    elif isinstance(v, np.ndarray):
+        if v.size > 10_000:
+            raise RecordError(f"{where}: an array of {v.size} elements is too large for metadata")
+        v = v.tolist()
+    if isinstance(v, float):
+        if v != v:
+            return "NaN"
+        if v in (float("inf"), float("-inf")):
+            return "Infinity" if v > 0 else "-Infinity"
+        return v
+    if isinstance(v, _JSON_SCALARS):
+        return v
+    if isinstance(v, Mapping):
+        return {_key(k): _json_value(x, f"{where}[{k!r}]") for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_json_value(x, f"{where}[{i}]") for i, x in enumerate(v)]
+    raise RecordError(
+        f"{where}: {type(v).__name__} is not a JSON value (use str, numbers, bools, None, "
+        f"lists and dicts of them)"
+    )

@@ -36,7 +36,7 @@ from traintape.core.errors import (
     RecordError,
     StoreError,
 )
-from traintape.core.inputs import check_array, check_metric, check_step
+from traintape.core.inputs import check_array, check_metric, check_step, check_user
 from traintape.core.kvstore import KvStore, local_path, normalize_url
 from traintape.core.registry import TensorRegistry
 from traintape.core.rows import NonfiniteEvents, RowState
@@ -117,6 +117,7 @@ class Recorder:
             raise ValueError(f"flush_every_steps must be >= 1, got {flush_every_steps}")
         if flush_every_seconds <= 0:
             raise ValueError(f"flush_every_seconds must be > 0, got {flush_every_seconds}")
+        user = check_user(user)  # refused here, before anything is claimed or written
         self.url = normalize_url(url)
         self.strict = strict
         self._lock = threading.RLock()  # guards manifest and row state; never held in put()
@@ -200,8 +201,10 @@ class Recorder:
     # ------------------------------------------------------------------ properties
     @property
     def manifest(self) -> Manifest:
-        """A copy of the manifest as recorded so far (not all of it committed yet)."""
-        return self._manifest_copy()
+        """A deep copy of the manifest as recorded so far (not all of it committed yet):
+        changing it changes nothing in the recorder."""
+        with self._lock:
+            return self._manifest.model_copy(deep=True)
 
     @property
     def enabled(self) -> bool:
