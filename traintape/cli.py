@@ -234,21 +234,37 @@ def show(run: str = typer.Argument(..., help="run directory or URL")) -> None:
         _show(r)
 
 
+_CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x20), 0x7F] if c not in (0x09,)}
+
+
+def _safe(x: object) -> str:
+    """Text from a store, safe to print through rich: markup escaped, terminal control
+    characters (escape sequences, carriage returns) shown as ``\\xNN``."""
+    return escape(str(x).translate(_CONTROL))
+
+
 def _show(r: Any) -> None:
     m = r.manifest
     p = m.producer
-    console.print(f"[bold]{r.url}[/bold]  run {m.run_id}  status [cyan]{m.status}[/cyan]")
     console.print(
-        f"schema {m.schema_version} · producer {p.framework or 'numpy'} "
-        f"{p.framework_version or ''} ({p.adapter or 'Recorder'}) · traintape {p.traintape_version}"
+        f"[bold]{_safe(r.url)}[/bold]  run {_safe(m.run_id)}  status [cyan]{m.status}[/cyan]"
+    )
+    console.print(
+        f"schema {_safe(m.schema_version)} · producer {_safe(p.framework or 'numpy')} "
+        f"{_safe(p.framework_version or '')} ({_safe(p.adapter or 'Recorder')}) · traintape "
+        f"{_safe(p.traintape_version)}"
     )
     steps = r.steps
     span = f"{int(steps[0])}..{int(steps[-1])}" if len(steps) else "none"
-    console.print(f"{r.rows} rows (steps {span}) · policy {m.policy.model_dump(mode='json')}")
+    console.print(
+        f"{r.rows} rows (steps {span}) · policy {_safe(m.policy.model_dump(mode='json'))}"
+    )
     t = Table("kind", "tensors", "snapshots", Column("example", overflow="fold"))
     for kind in r.kinds():
         names = r.tensor_names(kind)
-        t.add_row(kind.value, str(len(names)), str(m.commit.snapshots.get(kind, 0)), names[0])
+        t.add_row(
+            kind.value, str(len(names)), str(m.commit.snapshots.get(kind, 0)), _safe(names[0])
+        )
     console.print(t)
     met = r.metrics()
     if len(met.columns):
@@ -257,7 +273,7 @@ def _show(r: Any) -> None:
             col = met[c].dropna()
             if len(col):
                 mt.add_row(
-                    c,
+                    _safe(c),
                     str(col.index[-1]),
                     f"{col.iloc[-1]:.6g}",
                     f"{col.min():.6g}",
@@ -267,11 +283,13 @@ def _show(r: Any) -> None:
     if m.events:
         console.print(f"[yellow]{len(m.events)} events[/yellow]")
         for e in m.events[:20]:
-            console.print(f"  step {e.step} [{e.severity.value}] {e.type}: {e.message}")
+            console.print(
+                f"  step {e.step} \\[{e.severity.value}] {_safe(e.type)}: {_safe(e.message)}"
+            )
     w = m.writer
     console.print(
         f"writer: {w.commits} commits, {w.stalls} stalls ({w.stall_seconds:.3f} s)"
-        + (f", [red]disabled: {w.error}[/red]" if w.disabled else "")
+        + (f", [red]disabled: {_safe(w.error)}[/red]" if w.disabled else "")
     )
 
 
@@ -377,19 +395,20 @@ def ls_runs(
     for x in rows:
         if "error" in x:
             t.add_row(
-                os.path.relpath(x["path"], directory),
+                _safe(os.path.relpath(x["path"], directory)),
                 "",
                 "",
                 "",
                 "[red]invalid[/red]",
-                x["error"][:60],
+                _safe(x["error"][:60]),
             )
             continue
         span = f"{x['rows']} ({x['first_step']}..{x['last_step']})" if x["rows"] else "0"
         color = {"closed": "green", "open": "cyan", "failed": "red"}.get(x["status"], "white")
         t.add_row(
-            os.path.relpath(x["path"], directory), span, x["framework"], _human(x["size_bytes"]),
-            f"[{color}]{x['status']}[/{color}]", x["updated_at"][:19],
+            _safe(os.path.relpath(x["path"], directory)), span, _safe(x["framework"]),
+            _human(x["size_bytes"]), f"[{color}]{_safe(x['status'])}[/{color}]",
+            x["updated_at"][:19],
         )  # fmt: skip
     console.print(t)
 

@@ -52,6 +52,7 @@ from traintape.schema import (
     Kind,
     Manifest,
     Producer,
+    SchemaVersionError,
     Severity,
     StoreLayout,
     TensorSpec,
@@ -651,7 +652,19 @@ def read_manifest(url: str) -> Manifest:
     if not isinstance(doc, dict) or MANIFEST_ATTR not in doc.get("attributes", {}):
         raise NotAStoreError(f"{url} is not a traintape store (no traintape manifest in zarr.json)")
     raw = doc["attributes"][MANIFEST_ATTR]
-    check_readable(str(raw.get("schema_version", "0.0.0")))
+    if not isinstance(raw, dict):
+        raise NotAStoreError(
+            f"{url}: the traintape manifest in zarr.json is a {type(raw).__name__}, not an object"
+        )
+    version = raw.get("schema_version")
+    if not isinstance(version, str):
+        raise NotAStoreError(f"{url}: manifest schema_version {version!r} is not a string")
+    try:
+        check_readable(version)
+    except SchemaVersionError:
+        raise
+    except ValueError as e:
+        raise NotAStoreError(f"{url}: {e}") from e
     try:
         return Manifest.model_validate(raw)
     except ValidationError as e:

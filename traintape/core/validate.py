@@ -63,6 +63,9 @@ def validate(
     except (NotAStoreError, SchemaVersionError) as e:
         report.problems.append(str(e))
         return report
+    except Exception as e:  # an unusable URL, an unreachable kvstore
+        report.problems.append(f"{u}: cannot read the store: {type(e).__name__}: {e}")
+        return report
     report.manifest = m
     _Checker(u, m, report, progress).run()
     return report
