@@ -8,9 +8,11 @@ last committed one when resuming, is an error.
 
 Durability: rows are committed (made visible and durable) every ``flush_every_steps``
 rows, every ``flush_every_seconds`` seconds, on :meth:`Recorder.flush` and on
-:meth:`Recorder.close`. A process that dies loses at most the rows since the last
-commit: ``flush_every_steps`` sealed rows (or ``flush_every_seconds`` of them) plus the
-open step.
+:meth:`Recorder.close`. A process that dies loses what was not committed: the training
+thread runs at most ``flush_every_steps + 2 * max_pending`` sealed rows ahead of the last
+commit (``max_pending`` items wait in the queue while the writer commits a block of up to
+``flush_every_steps`` rows plus the backlog it took, itself at most ``max_pending``),
+plus the open step.
 """
 
 from __future__ import annotations
