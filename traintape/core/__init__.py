@@ -12,8 +12,9 @@ from traintape.core.errors import (
     TraintapeError,
 )
 from traintape.core.reader import Run, open_run
-from traintape.core.recorder import KindRows, Recorder, read_manifest
+from traintape.core.recorder import KindRows, Recorder
 from traintape.core.stats import stat_vector, stat_vectors
+from traintape.core.store import read_manifest
 from traintape.core.validate import ValidationReport, validate
 
 __all__ = [

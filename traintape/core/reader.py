@@ -17,8 +17,8 @@ import tensorstore as ts
 
 from traintape.core import layout as L
 from traintape.core.errors import NotAStoreError
-from traintape.core.kvstore import CONTEXT, join, local_path, normalize_url
-from traintape.core.recorder import read_manifest
+from traintape.core.kvstore import local_path, normalize_url
+from traintape.core.store import open_array, read_manifest
 from traintape.schema import STAT_NAMES, Event, Kind, Manifest, TensorSpec
 
 if TYPE_CHECKING:
@@ -60,16 +60,7 @@ class Run:
         """The TensorStore handle of an array in the store (e.g. ``'stats/grad'``)."""
         arr = self._arrays.get(path)
         if arr is None:
-            arr = ts.open(
-                {
-                    "driver": "zarr3",
-                    "kvstore": join(self.url, path),
-                    "recheck_cached_metadata": True,
-                },
-                open=True,
-                read=True,
-                context=CONTEXT,
-            ).result()
+            arr = open_array(self.url, path, read_only=True, recheck_cached_metadata=True)
             self._arrays[path] = arr
         return arr
 

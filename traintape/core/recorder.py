@@ -28,13 +28,11 @@ from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike
-from pydantic import ValidationError
 
 from traintape._version import __version__
 from traintape.core.claim import STALE_AFTER, WriterClaim
 from traintape.core.errors import (
     CaptureDisabledError,
-    NotAStoreError,
     RecordError,
     StoreError,
 )
@@ -43,9 +41,9 @@ from traintape.core.kvstore import KvStore, local_path, normalize_url
 from traintape.core.registry import TensorRegistry
 from traintape.core.rows import NonfiniteEvents, RowState
 from traintape.core.stats import raw_rows as host_raw_rows
+from traintape.core.store import read_manifest, storage_dtype
 from traintape.core.writer import Snapshot, StoreWriter
 from traintape.schema import (
-    MANIFEST_ATTR,
     N_RAW,
     N_STATS,
     RAW_NAMES,
@@ -54,12 +52,10 @@ from traintape.schema import (
     Kind,
     Manifest,
     Producer,
-    SchemaVersionError,
     Severity,
     StoreLayout,
     TensorSpec,
     check_no_prefix_clash,
-    check_readable,
     finalize,
 )
 from traintape.schema.policy import StepPlan
@@ -73,11 +69,6 @@ def default_producer(**fields: Any) -> Producer:
     }
     base.update(fields)
     return Producer(**base)
-
-
-def storage_dtype(dtype: np.dtype) -> np.dtype:
-    """How a dtype is stored: bfloat16 is widened to float32 (zarr-python lacks bf16)."""
-    return np.dtype(np.float32) if dtype.name == "bfloat16" else dtype
 
 
 class Recorder:
@@ -642,35 +633,6 @@ def _check_against_spec(spec: TensorSpec, a: np.ndarray, step: int) -> None:
             f"tensor {spec.name!r} ({spec.kind.value}) at step {step}: shape {list(a.shape)}, "
             f"expected {spec.shape}"
         )
-
-
-def read_manifest(url: str) -> Manifest:
-    """Read and validate the manifest of the store at ``url`` (raises NotAStoreError)."""
-    kv = KvStore(url)
-    try:
-        doc = kv.read_json("zarr.json")
-    except Exception as e:
-        raise NotAStoreError(f"{url}: cannot read zarr.json: {e}") from e
-    if not isinstance(doc, dict) or MANIFEST_ATTR not in doc.get("attributes", {}):
-        raise NotAStoreError(f"{url} is not a traintape store (no traintape manifest in zarr.json)")
-    raw = doc["attributes"][MANIFEST_ATTR]
-    if not isinstance(raw, dict):
-        raise NotAStoreError(
-            f"{url}: the traintape manifest in zarr.json is a {type(raw).__name__}, not an object"
-        )
-    version = raw.get("schema_version")
-    if not isinstance(version, str):
-        raise NotAStoreError(f"{url}: manifest schema_version {version!r} is not a string")
-    try:
-        check_readable(version)
-    except SchemaVersionError:
-        raise
-    except ValueError as e:
-        raise NotAStoreError(f"{url}: {e}") from e
-    try:
-        return Manifest.model_validate(raw)
-    except ValidationError as e:
-        raise NotAStoreError(f"{url}: manifest does not match schema: {e}") from e
 
 
 _OURS = (".traintape",)

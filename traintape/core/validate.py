@@ -20,8 +20,8 @@ import tensorstore as ts
 
 from traintape.core import layout as L
 from traintape.core.errors import NotAStoreError
-from traintape.core.kvstore import CONTEXT, KvStore, join, local_path, normalize_url
-from traintape.core.recorder import read_manifest, storage_dtype
+from traintape.core.kvstore import KvStore, local_path, normalize_url
+from traintape.core.store import open_array, read_manifest, storage_dtype
 from traintape.schema import N_STATS, Kind, Manifest, SchemaVersionError
 
 
@@ -91,12 +91,7 @@ class _Checker:
 
     def open(self, path: str) -> ts.TensorStore | None:
         try:
-            return ts.open(
-                {"driver": "zarr3", "kvstore": join(self.url, path)},
-                open=True,
-                read=True,
-                context=CONTEXT,
-            ).result()
+            return open_array(self.url, path, read_only=True)
         except Exception as e:
             self.problem(f"array {path}: missing or unreadable ({_short(e)})")
             return None

@@ -28,8 +28,9 @@ import tensorstore as ts
 
 from traintape.core import layout as L
 from traintape.core.claim import WriterClaim
-from traintape.core.kvstore import CONTEXT, KvStore, join
-from traintape.schema import MANIFEST_ATTR, N_STATS, CommitMark, Kind, Manifest
+from traintape.core.kvstore import KvStore
+from traintape.core.store import open_array, write_manifest
+from traintape.schema import N_STATS, CommitMark, Kind, Manifest
 
 log = logging.getLogger("traintape")
 
@@ -104,7 +105,7 @@ class StoreWriter:
         self._claim = claim
         # chunks equal to the fill value are stored too, so validate can tell a missing
         # chunk from an all-NaN one (StoreLayout.all_chunks_stored)
-        self._store_all = (
+        self._store_all: dict[str, Any] = (
             {"store_data_equal_to_fill_value": True} if manifest.layout.all_chunks_stored else {}
         )
         self._heartbeat_every = claim.stale_after / 3 if claim is not None else None
@@ -295,27 +296,13 @@ class StoreWriter:
     def _open(self, path: str) -> ts.TensorStore:
         arr = self._arrays.get(path)
         if arr is None:
-            arr = ts.open(
-                {"driver": "zarr3", "kvstore": join(self.url, path), **self._store_all},
-                open=True,
-                context=CONTEXT,
-            ).result()
+            arr = open_array(self.url, path, **self._store_all)
             self._arrays[path] = arr
         return arr
 
     def _create(self, path: str, metadata: dict[str, Any]) -> ts.TensorStore:
         self._ensure_groups(path)
-        arr = ts.open(
-            {
-                "driver": "zarr3",
-                "kvstore": join(self.url, path),
-                "metadata": metadata,
-                **self._store_all,
-            },
-            create=True,
-            delete_existing=True,
-            context=CONTEXT,
-        ).result()
+        arr = open_array(self.url, path, metadata=metadata, **self._store_all)
         self._arrays[path] = arr
         return arr
 
@@ -478,8 +465,4 @@ class StoreWriter:
             self._snap_capacity[kind] = count
 
     def _write_manifest(self, m: Manifest) -> None:
-        from datetime import UTC, datetime
-
-        m.updated_at = datetime.now(UTC)
-        doc = L.group_metadata({MANIFEST_ATTR: m.model_dump(mode="json")})
-        self.kv.write_json("zarr.json", doc)
+        write_manifest(self.kv, m)
