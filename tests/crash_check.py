@@ -19,23 +19,62 @@ CHILD = Path(__file__).with_name("_crash_child.py")
 sys.path.insert(0, str(CHILD.parent))
 from _crash_child import tensors  # noqa: E402
 
+SCENARIOS = ("train", "close", "create", "race")
+"""``train``: killed while recording (fresh or resumed: trials chain on one store);
+``close``: killed during ``close()``; ``create``: killed at a random moment from its start
+(often while the store is being created or reopened); ``race``: two writers start on the
+store at once — at most one may write, the other is refused — then the writer is killed."""
 
-def kill_once(run_dir: str, rng: random.Random) -> None:
-    """Start the child on ``run_dir`` and SIGKILL it at a random moment after it is ready."""
+
+def _spawn(run_dir: str, flush: int, mode: str) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    flush = rng.choice([1, 2, 3, 8])
-    p = subprocess.Popen(
-        [sys.executable, str(CHILD), run_dir, str(flush)],
+    return subprocess.Popen(
+        [sys.executable, str(CHILD), run_dir, str(flush), mode],
         stdout=subprocess.PIPE,
         env=env,
         text=True,
     )
+
+
+def _kill(p: subprocess.Popen[str]) -> None:
+    if p.poll() is None:
+        p.send_signal(signal.SIGKILL)
+    p.wait()
+
+
+def kill_once(run_dir: str, rng: random.Random, scenario: str = "train") -> None:
+    """Run one trial of ``scenario`` (see :data:`SCENARIOS`) on ``run_dir``."""
+    flush = rng.choice([1, 2, 3, 8])
+    if scenario == "create":
+        p = _spawn(run_dir, flush, "train")
+        time.sleep(rng.uniform(0.0, 2.5))  # imports take ~1-2 s: kills land all along
+        _kill(p)
+        return
+    if scenario == "race":
+        ps = [_spawn(run_dir, flush, "train") for _ in range(2)]
+        lines = []
+        for p in ps:
+            assert p.stdout is not None
+            lines.append(p.stdout.readline())
+        ready = [p for p, line in zip(ps, lines, strict=True) if line.startswith("ready")]
+        refused = [line for line in lines if line.startswith("refused")]
+        assert len(ready) == 1 and len(refused) == 1, f"race: {lines!r}"
+        time.sleep(rng.uniform(0.0, 0.4))
+        for p in ps:
+            _kill(p)
+        return
+    mode = "close" if scenario == "close" else "train"
+    p = _spawn(run_dir, flush, mode)
     assert p.stdout is not None
     line = p.stdout.readline()
     assert line.startswith("ready"), f"child failed to start: {line!r}"
-    time.sleep(rng.uniform(0.0, 0.6))
-    p.send_signal(signal.SIGKILL)
-    p.wait()
+    if mode == "close":
+        line = p.stdout.readline()
+        assert line.startswith("closing"), f"child failed before close: {line!r}"
+        time.sleep(rng.uniform(0.0, 0.05))
+    else:
+        time.sleep(rng.uniform(0.0, 0.6))
+    _kill(p)
 
 
 def verify(run_dir: str) -> int:
