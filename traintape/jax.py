@@ -10,9 +10,11 @@ from traintape.adapters.jax import (
     value_and_grad,
     watch,
 )
+from traintape.adapters.jax.equinox import filter_value_and_grad
 
 __all__ = [
     "WatchState",
+    "filter_value_and_grad",
     "named_leaves",
     "nnx_value_and_grad",
     "raw_matrix",

@@ -83,10 +83,15 @@ class Leaf:
     """Canonical shape."""
     dtype: np.dtype
     source_shape: tuple[int, ...] | None = None
-    """The framework's shape when it differs (a row-major reshape), else None."""
+    """The framework's shape when it differs (a row-major reshape or a transpose), else None."""
+    permutation: tuple[int, ...] | None = None
+    """canonical = source.transpose(permutation) (equinox's PyTorch-like layouts); None:
+    identity (then a differing ``source_shape`` means a row-major reshape)."""
 
     def canonical(self, x: Any) -> Any:
         """``x`` (this leaf's array as the framework holds it) in canonical layout."""
+        if self.permutation is not None:
+            return x.transpose(self.permutation)
         return x if self.source_shape is None else x.reshape(self.shape)
 
 
@@ -138,15 +143,23 @@ def named_leaves(
     """
     from traintape.core.errors import RecordError
 
+    from .equinox import EqxLayout, equinox_layouts
+
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    eqx = equinox_layouts(tree)  # {} unless the tree holds equinox modules
     found: list[tuple[int, str, list[str], tuple[int, ...], np.dtype]] = []
+    eqx_of: dict[int, EqxLayout] = {}
     for i, (path, x) in enumerate(flat):
         dtype = np.dtype(getattr(x, "dtype", np.float32))
         if dtype.kind not in "fc" and dtype.name != "bfloat16":
             continue
         raw = [*prefix, *raw_segments(path)] or [root]
         source = "/".join(str(s) for s in raw)
-        found.append((i, source, default_segments(raw), tuple(np.shape(x)), dtype))
+        segs = default_segments(raw)
+        if i in eqx:
+            eqx_of[i] = eqx[i]
+            segs = default_segments([*prefix, *eqx[i].segments], strip_collections=False)
+        found.append((i, source, segs, tuple(np.shape(x)), dtype))
     layouts = _attention_layout([f[2] for f in found], [f[3] for f in found])
     leaves: list[Leaf] = []
     seen: dict[str, str] = {}
@@ -158,7 +171,11 @@ def named_leaves(
                 f"pass a name_map to tell them apart"
             )
         seen[name] = source
-        if new_shape is None:
+        if i in eqx_of:
+            lay = eqx_of[i]
+            leaves.append(Leaf(name, source, i, lay.shape, dtype, source_shape=shape,
+                               permutation=lay.permutation))  # fmt: skip
+        elif new_shape is None:
             leaves.append(Leaf(name, source, i, shape, dtype))
         else:
             leaves.append(Leaf(name, source, i, new_shape, dtype, source_shape=shape))
@@ -195,7 +212,8 @@ def specs_for(
     kind: Kind,
     layer_kinds: dict[str, str | None] | None = None,
 ) -> list[TensorSpec]:
-    """Tensor specs of ``leaves`` for ``kind`` (JAX layouts are canonical: no permutation).
+    """Tensor specs of ``leaves`` for ``kind`` (Flax layouts are canonical; equinox leaves
+    carry their ``permutation`` / reshape ``source_shape``).
 
     For activations the leading (batch) axis of ``shape`` is ``None``.
     """
@@ -220,6 +238,7 @@ def specs_for(
                 shape=shape,
                 source_name=leaf.source_name,
                 source_shape=source_shape,
+                permutation=None if leaf.permutation is None else list(leaf.permutation),
             )
         )
     return specs
