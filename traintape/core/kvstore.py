@@ -8,9 +8,23 @@ from typing import Any
 
 import tensorstore as ts
 
-CONTEXT = ts.Context()
+
+def _retries() -> dict[str, Any]:
+    """Bounded retries for remote kvstores: ``$TRAINTAPE_REMOTE_RETRIES`` attempts (default
+    4) with 0.2-2 s backoff, so an unreachable endpoint is an error naming the URL in
+    seconds instead of TensorStore's default of 32 attempts (about 15 minutes)."""
+    try:
+        n = max(1, int(os.environ.get("TRAINTAPE_REMOTE_RETRIES", "4")))
+    except ValueError:
+        n = 4
+    policy = {"max_retries": n, "initial_delay": "200ms", "max_delay": "2s"}
+    return {"gcs_request_retries": policy, "s3_request_retries": policy}
+
+
+CONTEXT = ts.Context(_retries())
 """One TensorStore context for the process, so ``memory://`` stores are shared between a
-Recorder and a reader opened in the same process, and caches/thread pools are reused."""
+Recorder and a reader opened in the same process, caches/thread pools are reused, and
+remote operations give up after a few retries (:func:`_retries`)."""
 
 
 def normalize_url(url: str | os.PathLike[str]) -> str:
