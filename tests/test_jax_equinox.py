@@ -1,0 +1,221 @@
+"""Equinox through traintape.jax: canonical layouts (checked against equinox's own
+weights/grads and PyTorch's layouts), ``filter_value_and_grad``, and the transposed
+square-kernel negative control."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+eqx = pytest.importorskip("equinox")
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import traintape.jax as tj  # noqa: E402
+from traintape.core import Recorder, open_run  # noqa: E402
+from traintape.schema import CapturePolicy  # noqa: E402
+
+
+class Net(eqx.Module):
+    conv: eqx.nn.Conv2d
+    emb: eqx.nn.Embedding
+    ln: eqx.nn.LayerNorm
+    rms: eqx.nn.RMSNorm
+    lin: eqx.nn.Linear
+
+    def __init__(self, key: jax.Array) -> None:
+        k = jax.random.split(key, 3)
+        self.conv = eqx.nn.Conv2d(2, 3, (3, 2), key=k[0])
+        self.emb = eqx.nn.Embedding(5, 3, key=k[1])
+        self.ln = eqx.nn.LayerNorm(3)
+        self.rms = eqx.nn.RMSNorm(3)
+        self.lin = eqx.nn.Linear(3, 2, key=k[2])
+
+    def __call__(self, x: jax.Array, tok: jax.Array) -> jax.Array:
+        h = self.conv(x).mean(axis=(1, 2)) + self.emb(tok)  # (3,)
+        return self.lin(self.rms(self.ln(h)))
+
+
+def _loss(m: Net, x: jax.Array, tok: jax.Array) -> jax.Array:
+    return jnp.sum(m(x, tok) ** 2)
+
+
+def _args() -> tuple[Net, jax.Array, jax.Array]:
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 6, 5))
+    return Net(jax.random.PRNGKey(0)), x, jnp.asarray(2)
+
+
+def _canon(m: Net) -> dict[str, np.ndarray]:
+    """The canonical layout by roles.py's rules, written out by hand."""
+    return {
+        "conv/kernel": np.asarray(m.conv.weight).transpose(2, 3, 1, 0),
+        "conv/bias": np.asarray(m.conv.bias).reshape(-1),
+        "emb/embedding": np.asarray(m.emb.weight),
+        "ln/scale": np.asarray(m.ln.weight),
+        "ln/bias": np.asarray(m.ln.bias),
+        "rms/scale": np.asarray(m.rms.weight),
+        "rms/bias": np.asarray(m.rms.bias),
+        "lin/kernel": np.asarray(m.lin.weight).T,
+        "lin/bias": np.asarray(m.lin.bias),
+    }
+
+
+def test_filter_value_and_grad_canonical_params_grads_specs(mem_url):
+    model, x, tok = _args()
+    want_v, want_g = eqx.filter_jit(eqx.filter_value_and_grad(_loss))(model, x, tok)
+    rec = Recorder(mem_url, CapturePolicy(full_every=1))
+    with rec:
+        v, g = eqx.filter_jit(tj.filter_value_and_grad(_loss, recorder=rec))(model, x, tok)
+    np.testing.assert_allclose(v, want_v, rtol=1e-6)
+    assert jax.tree_util.tree_structure(g) == jax.tree_util.tree_structure(want_g)
+    for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(want_g), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    run = open_run(mem_url)
+    want_p, want_gc = _canon(model), _canon(want_g)
+    assert sorted(run.tensor_names("param")) == sorted(want_p)
+    for name in want_p:
+        np.testing.assert_allclose(run.snapshot(name, "param", 0), want_p[name], rtol=1e-6)
+        np.testing.assert_allclose(run.snapshot(name, "grad", 0), want_gc[name], rtol=1e-5,
+                                   atol=1e-6)  # fmt: skip
+    s = run.spec("lin/kernel", "param")
+    assert (s.permutation, s.source_shape, s.shape, s.layer_kind) == ([1, 0], [2, 3], [3, 2],
+                                                                      "dense")  # fmt: skip
+    s = run.spec("conv/kernel", "param")
+    assert s.permutation == [2, 3, 1, 0] and s.source_shape == [3, 2, 3, 2]
+    assert s.shape == [3, 2, 2, 3] and s.layer_kind == "conv"
+    s = run.spec("conv/bias", "param")
+    assert s.source_shape == [3, 1, 1] and s.shape == [3] and s.permutation is None
+    assert run.spec("ln/scale", "param").layer_kind == "layer_norm"
+    assert run.spec("rms/scale", "param").layer_kind == "rms_norm"
+    assert run.spec("emb/embedding", "param").layer_kind == "embedding"
+
+
+def test_conv_layout_is_torch_conv2d():
+    torch = pytest.importorskip("torch")
+    import traintape.torch as tt
+
+    model, x, _ = _args()
+    rec_leaves = {lf.name: lf for lf in tj.named_leaves(eqx.filter(model, eqx.is_array))}
+    leaves = jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array))
+    canon = {n: np.array(lf.canonical(leaves[lf.index])) for n, lf in rec_leaves.items()}
+    tconv = torch.nn.Conv2d(2, 3, (3, 2))
+    wrapper = torch.nn.Module()
+    wrapper.conv = tconv
+    tt.from_canonical(wrapper, {k: v for k, v in canon.items() if k.startswith("conv/")})
+    np.testing.assert_array_equal(tconv.weight.detach().numpy(), np.asarray(model.conv.weight))
+    np.testing.assert_array_equal(tconv.bias.detach().numpy(), np.asarray(model.conv.bias)[:, 0, 0])
+    want = np.asarray(model.conv(x))
+    got = tconv(torch.from_numpy(np.asarray(x))[None])[0].detach().numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_jax_jit_and_partition_with_plain_value_and_grad(mem_url):
+    model, x, tok = _args()
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    want_v, want_g = jax.jit(jax.value_and_grad(lambda p: _loss(eqx.combine(p, static), x, tok)))(
+        params
+    )
+    rec = Recorder(mem_url, CapturePolicy(full_every=1))
+    with rec:
+        vg = tj.value_and_grad(lambda p: _loss(eqx.combine(p, static), x, tok), recorder=rec)
+        v, g = jax.jit(vg)(params)
+        fv, fg = jax.jit(tj.filter_value_and_grad(
+            lambda p: _loss(eqx.combine(p, static), x, tok), recorder=Recorder(mem_url + "b")
+        ))(params)  # fmt: skip
+    np.testing.assert_allclose(v, want_v, rtol=1e-6)
+    np.testing.assert_allclose(fv, want_v, rtol=1e-6)
+    for a, b, c in zip(*(jax.tree_util.tree_leaves(t) for t in (g, fg, want_g)), strict=True):
+        np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(b, c, rtol=1e-5, atol=1e-7)
+    run = open_run(mem_url)
+    want_p = _canon(model)
+    for name in want_p:
+        np.testing.assert_allclose(run.snapshot(name, "param", 0), want_p[name], rtol=1e-6)
+
+
+def test_mha_and_recurrent_names():
+    k = jax.random.split(jax.random.PRNGKey(0), 3)
+    tree = {
+        "attn": eqx.nn.MultiheadAttention(2, 4, key=k[0]),
+        "lstm": eqx.nn.LSTMCell(3, 5, key=k[1]),
+        "gru": eqx.nn.GRUCell(3, 5, key=k[2]),
+    }
+    leaves = {lf.name: lf for lf in tj.named_leaves(eqx.filter(tree, eqx.is_array))}
+    assert leaves["attn/q/kernel"].shape == (4, 4)
+    assert leaves["attn/o/kernel"].permutation == (1, 0)
+    assert leaves["lstm/kernel_ih"].shape == (3, 20) and leaves["lstm/kernel_hh"].shape == (5, 20)
+    assert leaves["lstm/bias_ih"].shape == (20,)
+    assert leaves["gru/kernel_ih"].shape == (3, 15) and leaves["gru/kernel_hh"].shape == (5, 15)
+
+
+def _train_pair(url_eqx: str, url_torch: str, *, bad: bool) -> None:
+    """Train the same square-kernel MLP in equinox and torch (3 SGD steps) and record
+    both. ``bad``: the equinox run is recorded the pre-fix way, weights untransposed
+    under the canonical name ``kernel`` (a plain dict of equinox's raw arrays)."""
+    torch = pytest.importorskip("torch")
+    import traintape.torch as tt
+
+    model = eqx.nn.MLP(4, 4, 4, 1, key=jax.random.PRNGKey(0))
+    x = jax.random.normal(jax.random.PRNGKey(1), (8, 4))
+
+    def loss(m: eqx.nn.MLP) -> jax.Array:
+        return jnp.mean(jax.vmap(m)(x) ** 2)
+
+    class TMLP(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+
+        def forward(self, h):  # type: ignore[no-untyped-def]
+            return self.layers[1](torch.relu(self.layers[0](h)))
+
+    tm = TMLP()
+    canon = {f"layers/{i}/kernel": np.array(lay.weight).T for i, lay in enumerate(model.layers)}
+    canon |= {f"layers/{i}/bias": np.array(lay.bias) for i, lay in enumerate(model.layers)}
+    tt.from_canonical(tm, canon)
+    opt = torch.optim.SGD(tm.parameters(), lr=0.1)
+    tx = torch.from_numpy(np.asarray(x))
+    pol = CapturePolicy(full_every=1)
+    with Recorder(url_torch, pol) as rec, tt.watch(tm, rec, optimizer=opt):
+        for _ in range(3):
+            opt.zero_grad()
+            (tm(tx) ** 2).mean().backward()
+            opt.step()
+
+    with Recorder(url_eqx, pol) as rec:
+        if not bad:
+            vg = eqx.filter_jit(tj.filter_value_and_grad(loss, recorder=rec))
+            for _ in range(3):
+                _, g = vg(model)
+                model = eqx.apply_updates(model, jax.tree_util.tree_map(lambda d: -0.1 * d, g))
+        else:
+
+            def raw_loss(p):  # type: ignore[no-untyped-def]
+                # the same MLP, weights in equinox's (out, in) layout named "kernel"
+                w0, w1 = p["layers"]
+                h = jax.nn.relu(x @ w0["kernel"].T + w0["bias"])
+                return jnp.mean((h @ w1["kernel"].T + w1["bias"]) ** 2)
+
+            params = {"layers": [{"kernel": lay.weight, "bias": lay.bias} for lay in model.layers]}
+            vg = jax.jit(tj.value_and_grad(raw_loss, recorder=rec))
+            for _ in range(3):
+                _, g = vg(params)
+                params = jax.tree_util.tree_map(lambda p, d: p - 0.1 * d, params, g)
+
+
+def test_negative_control_transposed_square_kernel(tmp_path):
+    from traintape.analysis import compare
+
+    good, bad, ref = (str(tmp_path / n) for n in ("good", "bad", "torch"))
+    _train_pair(good, ref, bad=False)
+    _train_pair(bad, str(tmp_path / "torch2"), bad=True)
+    ok = compare(good, ref)
+    assert ok.identical, ok
+    assert {d.tensor for d in ok.tensors if d.kind == "param"} >= {"layers/0/kernel"}
+    assert all(d.snapshots_compared > 0 for d in ok.tensors if d.tensor.endswith("kernel"))
+    ko = compare(bad, ref)
+    assert not ko.identical
+    out = {(d.tensor, d.kind) for d in ko.tensors if d.first_step_out is not None}
+    assert ("layers/0/kernel", "param") in out and ("layers/1/kernel", "param") in out
+    assert all(d.first_step_out == 0 for d in ko.tensors
+               if d.tensor.endswith("kernel") and d.kind == "param")  # fmt: skip
