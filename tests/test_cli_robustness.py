@@ -53,3 +53,13 @@ def test_store_text_is_printed_literally(tmp_path: Path) -> None:
     assert "[/bold][link=http://x]\\x1b[31mred" in r.output and "\x1b" not in r.output
     r = CliRunner().invoke(app, ["ls", str(tmp_path)])
     assert r.exit_code == 0, r.output
+
+
+def test_monitor_once_on_a_corrupted_steps_chunk(tmp_path: Path) -> None:
+    run = str(tmp_path / "run")
+    with tt.Recorder(run, flush_every_steps=2) as rec:
+        for t in range(4):
+            rec.record(t, "param", {"fc/kernel": np.ones((2, 2), np.float32)})
+    Path(run, "steps", "c", "0").write_bytes(b"garbage")
+    r = CliRunner().invoke(app, ["monitor", run, "--once"])
+    assert r.exit_code == 1 and "unreadable" in r.output and "Traceback" not in r.output

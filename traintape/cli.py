@@ -534,7 +534,7 @@ def monitor(
 
     from rich.live import Live
 
-    from traintape.schema import STAT_INDEX
+    from traintape.schema import STAT_INDEX, split_name
 
     if wait > 0 and _store_problem(run) is not None:
         deadline = time.monotonic() + wait
@@ -544,10 +544,23 @@ def monitor(
     r = _open(run)  # still missing after --wait: exits 2 naming the path
 
     def view() -> Table:
+        try:
+            return _view()
+        except Exception as e:  # a damaged store: say so instead of a traceback
+            t = Table(title=f"{_safe(r.url)} · unreadable")
+            t.add_column("problem")
+            t.add_row(f"[red]{_safe(type(e).__name__)}: {_safe(e)}[/red]")
+            t.add_row(f"`traintape validate {_safe(run)}` lists what is damaged")
+            failed.append(e)
+            return t
+
+    failed: list[BaseException] = []
+
+    def _view() -> Table:
         r.refresh()
         m = r.manifest
         st = r.steps
-        t = Table(title=f"{r.url} · {m.status} · {r.rows} rows · last step "
+        t = Table(title=f"{_safe(r.url)} · {_safe(m.status)} · {r.rows} rows · last step "
                         f"{int(st[-1]) if len(st) else '–'} · {len(m.events)} events")  # fmt: skip
         t.add_column("layer / metric")
         t.add_column("grad norm")
@@ -557,14 +570,16 @@ def monitor(
             met = r.metrics()
             for c in met.columns:
                 col = met[c].dropna()
-                t.add_row(f"[bold]{c}[/bold]", f"{col.iloc[-1]:.6g}" if len(col) else "–", "")
+                t.add_row(
+                    f"[bold]{_safe(c)}[/bold]", f"{col.iloc[-1]:.6g}" if len(col) else "–", ""
+                )
             norms: dict[str, list[float]] = {}
             for kind in ("grad", "update", "param"):
                 if kind not in [k.value for k in r.kinds()]:
                     continue
                 data = r.stats_array(kind, rows=last)[0, :, STAT_INDEX["l2"]]
                 for n, v in zip(r.tensor_names(kind), data, strict=True):
-                    layer = n.rsplit("/", 1)[0]
+                    layer = split_name(n)[0]
                     norms.setdefault(f"{kind}:{layer}", []).append(float(v) ** 2)
             layers = sorted({k.split(":", 1)[1] for k in norms})
             for layer in layers:
@@ -572,11 +587,13 @@ def monitor(
                 u, p = norms.get(f"update:{layer}"), norms.get(f"param:{layer}")
                 gs = f"{sum(g) ** 0.5:.3g}" if g else "–"
                 us = f"{(sum(u) / sum(p)) ** 0.5:.3g}" if u and p and sum(p) > 0 else "–"
-                t.add_row(layer, gs, us)
+                t.add_row(_safe(layer), gs, us)
         return t
 
     if once:
         console.print(view())
+        if failed:
+            raise typer.Exit(1)
         return
     start = time.monotonic()
     with Live(view(), console=console, refresh_per_second=4) as live:
