@@ -50,3 +50,10 @@ def test_crafted_shape_is_reported_without_enumerating(run_dir: str) -> None:
     meta.write_text(json.dumps(doc))
     rep = tt.validate(run_dir)  # returns at once: no 1e16-chunk grid is walked
     assert any("array stats/param: shape [7, 100000000, 100000000]" in p for p in rep.problems)
+
+
+def test_close_leaves_no_empty_chunk_directories(run_dir: str) -> None:
+    _store(run_dir)
+    empty = [d for d, dirs, files in os.walk(run_dir) if not dirs and not files]
+    assert empty == []
+    assert tt.validate(run_dir).ok

@@ -13,8 +13,10 @@ therefore leaves a store whose manifest describes only durable data.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import logging
+import os
 import queue
 import threading
 import time
@@ -28,7 +30,7 @@ import tensorstore as ts
 
 from traintape.core import layout as L
 from traintape.core.claim import WriterClaim
-from traintape.core.kvstore import KvStore
+from traintape.core.kvstore import KvStore, local_path
 from traintape.core.store import open_array, write_manifest
 from traintape.schema import N_STATS, CommitMark, Kind, Manifest
 
@@ -463,6 +465,20 @@ class StoreWriter:
                             exclusive_max=[count, *arr.shape[1:]], shrink_only=True
                         ).result()
             self._snap_capacity[kind] = count
+        self._remove_empty_dirs()
+
+    def _remove_empty_dirs(self) -> None:
+        """Local stores: remove the empty chunk directories that shrinking arrays leaves
+        behind (the file kvstore deletes keys, not directories)."""
+        root = local_path(self.url)
+        if root is None:
+            return
+        for top in (L.STEPS, L.STATS, L.METRICS, L.SNAPSHOTS, L.SNAPSHOT_STEPS):
+            base = os.path.join(root, top)
+            for dirpath, _dirs, files in os.walk(base, topdown=False):
+                if not files and dirpath != base:
+                    with contextlib.suppress(OSError):  # not empty after all: keep it
+                        os.rmdir(dirpath)
 
     def _write_manifest(self, m: Manifest) -> None:
         write_manifest(self.kv, m)
