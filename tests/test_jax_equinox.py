@@ -219,3 +219,32 @@ def test_negative_control_transposed_square_kernel(tmp_path):
     assert ("layers/0/kernel", "param") in out and ("layers/1/kernel", "param") in out
     assert all(d.first_step_out == 0 for d in ko.tensors
                if d.tensor.endswith("kernel") and d.kind == "param")  # fmt: skip
+
+
+def test_watch_update_and_opt_state_canonical(mem_url):
+    optax = pytest.importorskip("optax")
+    model = eqx.nn.MLP(3, 2, 4, 1, key=jax.random.PRNGKey(0))
+    x = jax.random.normal(jax.random.PRNGKey(1), (5, 3))
+    params = eqx.filter(model, eqx.is_inexact_array)
+    grads = eqx.filter_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
+    want_u, want_s = optax.adam(1e-2).update(grads, optax.adam(1e-2).init(params), params)
+    rec = Recorder(
+        mem_url,
+        CapturePolicy(
+            kinds=("update", "opt_state"), full_every=1, snapshot_kinds=("update", "opt_state")
+        ),
+    )
+    with rec:
+        tx = tj.watch(optax.adam(1e-2), rec, kinds=("update", "opt_state"))
+        u, _ = eqx.filter_jit(tx.update)(grads, tx.init(params), params)
+    run = open_run(mem_url)
+    for i, lay in enumerate(want_u.layers):
+        np.testing.assert_allclose(np.asarray(u.layers[i].weight), lay.weight, rtol=1e-6)
+        got = run.snapshot(f"layers/{i}/kernel", "update", 0)
+        np.testing.assert_allclose(got, np.asarray(lay.weight).T, rtol=1e-5, atol=1e-8)
+        spec = run.spec(f"layers/{i}/kernel", "update")
+        assert spec.permutation == [1, 0]
+        mu = np.asarray(want_s[0].mu.layers[i].weight).T
+        np.testing.assert_allclose(
+            run.snapshot(f"layers/{i}/kernel/mu", "opt_state", 0), mu, rtol=1e-5, atol=1e-8
+        )

@@ -64,7 +64,7 @@ def _opt_state_leaves(state: Any, params: Any, name_map: NameMap) -> tuple[list[
             if any(lf.name == name for lf in leaves):
                 name = canonical_name([leaf.name, *[s for s in segs[:k]]], None)
             leaves.append(Leaf(name, "/".join(segs), len(arrays), leaf.shape, jnp.dtype(x.dtype),
-                               source_shape=leaf.source_shape))  # fmt: skip
+                               source_shape=leaf.source_shape, permutation=leaf.permutation))  # fmt: skip
             arrays.append(x)
             break
     return leaves, arrays
