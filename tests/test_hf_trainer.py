@@ -1,0 +1,127 @@
+"""traintape.transformers.Callback on a tiny GPT-2 Trainer run (CPU, from config).
+
+References are Trainer's own numbers: ``p.grad`` read in ``on_pre_optimizer_step``
+(the gradient ``optimizer.step()`` applies, after accumulation and clipping) and the
+``loss``/``learning_rate``/``grad_norm`` Trainer logs in ``state.log_history``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("USE_TF", "0")  # transformers: torch only (Keras 3 is installed)
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import traintape  # noqa: E402
+import traintape.transformers as ttf  # noqa: E402
+
+STEPS = 6
+ACCUM = 2
+BATCH = 2
+
+
+class _GradRef(transformers.TrainerCallback):
+    """Per-entry grad l2 read from ``p.grad`` right before ``optimizer.step()``."""
+
+    def __init__(self, cb: ttf.Callback) -> None:
+        self.cb = cb
+        self.rows: list[dict[str, float]] = []
+
+    def on_pre_optimizer_step(self, args, state, control, **kw):  # type: ignore[no-untyped-def]
+        h = self.cb.handle
+        assert h is not None
+        row = {}
+        for e in h.train_entries:
+            g = e.tensor().grad
+            row[e.name] = float(e.part(g).double().norm()) if g is not None else 0.0
+        self.rows.append(row)
+
+
+def _train(out: str, max_grad_norm: float | None) -> tuple[traintape.Run, _GradRef, list]:
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    model = transformers.GPT2LMHeadModel(cfg)
+    g = torch.Generator().manual_seed(1)
+    data = [
+        {"input_ids": ids, "labels": ids}
+        for ids in torch.randint(0, 64, (STEPS * ACCUM * BATCH, 8), generator=g)
+    ]
+    args = transformers.TrainingArguments(
+        output_dir=out + "_trainer",
+        per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=ACCUM,
+        max_steps=STEPS,
+        learning_rate=1e-3,
+        logging_steps=1,
+        max_grad_norm=max_grad_norm if max_grad_norm is not None else 0.0,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
+    with traintape.Recorder(out, traintape.CapturePolicy(full_every=3)) as rec:
+        cb = ttf.Callback(rec)
+        ref = _GradRef(cb)
+        trainer = transformers.Trainer(
+            model=model, args=args, train_dataset=data, callbacks=[cb, ref]
+        )
+        trainer.train()
+        assert cb.handle is None  # hooks removed at on_train_end
+    return traintape.open_run(out), ref, trainer.state.log_history
+
+
+def _check_grads(run: traintape.Run, ref: _GradRef) -> None:
+    assert run.steps.tolist() == list(range(STEPS))
+    assert len(ref.rows) == STEPS
+    df = run.stats("grad")
+    for t, row in enumerate(ref.rows):
+        got = df[df.step == t].set_index("tensor")["l2"]
+        assert set(got.index) == set(row)
+        for name, want in row.items():
+            np.testing.assert_allclose(got[name], want, rtol=1e-4, atol=1e-8, err_msg=name)
+
+
+def test_accumulated_grads_and_aligned_metrics(tmp_path) -> None:
+    run, ref, history = _train(str(tmp_path / "run"), None)
+    _check_grads(run, ref)
+    m = run.metrics()
+    logged = [h for h in history if "loss" in h and "learning_rate" in h]
+    assert len(logged) == STEPS
+    for h in logged:
+        row = h["step"] - 1  # the optimizer step this log describes
+        assert m.loc[row, "train/loss"] == pytest.approx(h["loss"], rel=1e-6)
+        assert m.loc[row, "train/learning_rate"] == pytest.approx(h["learning_rate"], rel=1e-6)
+    assert run.rows == STEPS  # no extra row from logging at state.global_step
+
+
+def test_clipped_grad_is_recorded_preclip_norm_is_the_metric(tmp_path) -> None:
+    max_norm = 0.05
+    run, ref, history = _train(str(tmp_path / "run"), max_norm)
+    _check_grads(run, ref)  # the clipped gradient the optimizer applied
+    m = run.metrics()
+    df = run.stats("grad")
+    logged = [h for h in history if "grad_norm" in h]
+    assert len(logged) == STEPS
+    for h in logged:
+        t = h["step"] - 1
+        pre = float(h["grad_norm"])
+        assert m.loc[t, "train/grad_norm"] == pytest.approx(pre, rel=1e-6)
+        total = float(np.sqrt((df[df.step == t]["l2"] ** 2).sum()))
+        np.testing.assert_allclose(total, min(1.0, max_norm / pre) * pre, rtol=1e-3)
+
+
+def test_deepspeed_is_refused(tmp_path) -> None:
+    cb = ttf.Callback(traintape.Recorder(str(tmp_path / "r")))
+    args = type("A", (), {"deepspeed": "ds.json"})()
+    with pytest.raises(RuntimeError, match="DeepSpeed"):
+        cb.on_train_begin(args, None, None, model=None, optimizer=None)  # type: ignore[arg-type]
+    cb.recorder.close()
