@@ -131,6 +131,8 @@ def test_jax_jit_and_partition_with_plain_value_and_grad(mem_url):
     want_p = _canon(model)
     for name in want_p:
         np.testing.assert_allclose(run.snapshot(name, "param", 0), want_p[name], rtol=1e-6)
+    assert run.spec("ln/scale", "param").layer_kind == "layer_norm"
+    assert run.spec("lin/kernel", "grad").permutation == [1, 0]
 
 
 def test_mha_and_recurrent_names():

@@ -87,6 +87,8 @@ class Leaf:
     permutation: tuple[int, ...] | None = None
     """canonical = source.transpose(permutation) (equinox's PyTorch-like layouts); None:
     identity (then a differing ``source_shape`` means a row-major reshape)."""
+    layer_kind: str | None = None
+    """Layer kind known from the owning module (equinox), else None (inferred)."""
 
     def canonical(self, x: Any) -> Any:
         """``x`` (this leaf's array as the framework holds it) in canonical layout."""
@@ -174,7 +176,7 @@ def named_leaves(
         if i in eqx_of:
             lay = eqx_of[i]
             leaves.append(Leaf(name, source, i, lay.shape, dtype, source_shape=shape,
-                               permutation=lay.permutation))  # fmt: skip
+                               permutation=lay.permutation, layer_kind=lay.layer_kind))  # fmt: skip
         elif new_shape is None:
             leaves.append(Leaf(name, source, i, shape, dtype))
         else:
@@ -218,6 +220,7 @@ def specs_for(
     For activations the leading (batch) axis of ``shape`` is ``None``.
     """
     lk = dict(infer_layer_kinds(leaves))
+    lk.update({split_name(lf.name)[0]: lf.layer_kind for lf in leaves if lf.layer_kind})
     if layer_kinds:
         lk.update({k: v for k, v in layer_kinds.items() if v is not None})
     specs = []
