@@ -125,3 +125,34 @@ def test_deepspeed_is_refused(tmp_path) -> None:
     with pytest.raises(RuntimeError, match="DeepSpeed"):
         cb.on_train_begin(args, None, None, model=None, optimizer=None)  # type: ignore[arg-type]
     cb.recorder.close()
+
+
+def test_gpt2_conv1d_is_dense_and_integer_buffers_are_skipped() -> None:
+    import warnings
+
+    from traintape.adapters.torch.names import model_layout
+
+    torch.manual_seed(0)
+    gpt = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "no canonical layout" warning
+        lay = model_layout(gpt)
+    by = {e.name: e for e in lay.entries}
+    e = by["transformer/h/0/attn/c_attn/kernel"]
+    assert e.layer_kind == "dense" and e.source_shape == (32, 96)  # (in, out) as stored
+    w = gpt.transformer.h[0].attn.c_attn.weight
+    np.testing.assert_array_equal(e.canonical(w).detach().numpy(), w.detach().numpy())
+    bert = transformers.BertModel(
+        transformers.BertConfig(
+            num_hidden_layers=2,
+            hidden_size=32,
+            num_attention_heads=2,
+            intermediate_size=64,
+            vocab_size=64,
+            max_position_embeddings=16,
+        )
+    )
+    names = [e.name for e in model_layout(bert, warn=False).entries]
+    assert not [n for n in names if "position_ids" in n or "token_type_ids" in n]

@@ -14,6 +14,8 @@ Roles are decided by module type, never by the string ``weight``:
 torch module                         canonical tensors
 ===================================  ==============================================
 Linear                               ``kernel`` (in, out) = weight.T; ``bias``
+HF ``transformers`` Conv1D (GPT-2)   ``kernel`` (in, out) = weight (stored (in, out));
+                                     ``bias``; a ``dense`` layer
 Conv1d/2d/3d                         ``kernel`` (*K, in/groups, out) from (O, I/g, *K)
 Embedding                            ``embedding`` (V, D)
 LayerNorm, GroupNorm                 ``scale``, ``bias``
@@ -39,6 +41,8 @@ LSTM, GRU                            per layer ``kernel_ih`` (in, G*hidden) =
 
 Any other module with parameters of its own keeps generic names (``path/<param name>``,
 identity layout, ``layer_kind`` None) and triggers one warning naming its type.
+Integer and bool buffers (position ids, token type ids, causal masks) and non-persistent
+buffers (absent from ``state_dict``) are constants and are never recorded.
 
 Split tensors (MultiheadAttention q/k/v) record ``source_name`` as
 ``attn.in_proj_weight[0:E]`` and ``source_shape`` as the shape of that row block, so
@@ -156,6 +160,13 @@ def _conv_perm(ndim: int) -> tuple[int, ...]:
     return (*range(2, ndim), 1, 0)
 
 
+def _is_hf_conv1d(mod: nn.Module) -> bool:
+    """``transformers.pytorch_utils.Conv1D`` (a dense layer, weight (in, out)), matched
+    by type path so transformers is never imported here."""
+    t = type(mod)
+    return t.__name__ == "Conv1D" and t.__module__ == "transformers.pytorch_utils"
+
+
 def _plain_rules(mod: nn.Module) -> tuple[str | None, dict[str, tuple[str, str]]] | None:
     """(layer_kind, {torch attr: (role, layout)}) for simple module types, else None.
 
@@ -163,6 +174,8 @@ def _plain_rules(mod: nn.Module) -> tuple[str | None, dict[str, tuple[str, str]]
     """
     if isinstance(mod, nn.Linear):
         return R.DENSE, {"weight": (R.KERNEL, "T"), "bias": (R.BIAS, "id")}
+    if _is_hf_conv1d(mod):  # GPT-2's Conv1D stores weight (in, out): already canonical
+        return R.DENSE, {"weight": (R.KERNEL, "id"), "bias": (R.BIAS, "id")}
     if isinstance(mod, _CONVS):
         return R.CONV, {"weight": (R.KERNEL, "conv"), "bias": (R.BIAS, "id")}
     if isinstance(mod, nn.Embedding):
@@ -252,7 +265,15 @@ class _Builder:
 def _own_tensors(mod: nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
     out: list[tuple[str, torch.Tensor, bool]]
     out = [(n, p, False) for n, p in mod.named_parameters(recurse=False)]
-    out += [(n, b, True) for n, b in mod.named_buffers(recurse=False) if b is not None]
+    # integer/bool buffers (BERT's position_ids/token_type_ids, causal masks) and
+    # non-persistent buffers (not in state_dict: GPT-2's masked_bias) are constants,
+    # not state: never recorded as ``param``
+    skip = getattr(mod, "_non_persistent_buffers_set", set())
+    out += [
+        (n, b, True)
+        for n, b in mod.named_buffers(recurse=False)
+        if b is not None and n not in skip and (b.is_floating_point() or b.is_complex())
+    ]
     return out
 
 
