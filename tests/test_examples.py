@@ -25,7 +25,14 @@ def _load(name: str) -> Any:
 
 @pytest.mark.parametrize(
     ("name", "size"),
-    [("jax_quickstart", 60), ("torch_mlp", 5), ("tf_custom_loop", 5), ("tf_keras_fit", 1)],
+    [
+        ("jax_quickstart", 60),
+        ("torch_mlp", 5),
+        ("tf_custom_loop", 5),
+        ("tf_keras_fit", 1),
+        ("hf_trainer", 3),
+        ("lightning", 3),
+    ],
 )
 def test_example_writes_a_valid_store(tmp_path, name: str, size: int) -> None:
     out = str(tmp_path / name)
