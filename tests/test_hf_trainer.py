@@ -156,3 +156,46 @@ def test_gpt2_conv1d_is_dense_and_integer_buffers_are_skipped() -> None:
     )
     names = [e.name for e in model_layout(bert, warn=False).entries]
     assert not [n for n in names if "position_ids" in n or "token_type_ids" in n]
+
+
+def test_peft_lora_trainer_records_lora_grads_only(tmp_path) -> None:
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    model = peft.get_peft_model(
+        transformers.GPT2LMHeadModel(cfg),
+        peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True),
+    )
+    g = torch.Generator().manual_seed(1)
+    data = [{"input_ids": x, "labels": x} for x in torch.randint(0, 64, (8, 8), generator=g)]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "t"),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=2,
+        logging_steps=1,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    url = str(tmp_path / "run")
+    with traintape.Recorder(url) as rec:
+        cb = ttf.Callback(rec)
+        ref = _GradRef(cb)
+        transformers.Trainer(
+            model=model, args=args, train_dataset=data, callbacks=[cb, ref]
+        ).train()
+    run = traintape.open_run(url)
+    grads = run.tensor_names("grad")
+    assert sorted(grads) == sorted(
+        f"transformer/h/{i}/attn/c_attn/lora_{ab}/default/kernel" for i in range(2) for ab in "AB"
+    )
+    assert set(run.tensor_names("update")) == set(grads)
+    assert "transformer/h/0/attn/c_attn/base_layer/kernel" in run.tensor_names("param")
+    assert not [n for n in run.tensor_names("param") if n.startswith("base_model")]
+    df = run.stats("grad")
+    for t, row in enumerate(ref.rows):
+        got = df[df.step == t].set_index("tensor")["l2"]
+        for name, want in row.items():
+            np.testing.assert_allclose(got[name], want, rtol=1e-4, atol=1e-8, err_msg=name)

@@ -278,13 +278,24 @@ def _own_tensors(mod: nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """Strip ``torch.compile`` and (Distributed)DataParallel wrappers."""
+    """Strip ``torch.compile``, (Distributed)DataParallel and PEFT wrappers.
+
+    PEFT: a ``peft.PeftModel`` is replaced by the model it wraps
+    (``model.base_model.model``), so names drop ``base_model/model/``. LoRA layers keep
+    PEFT's module structure: the frozen base weight is ``<layer>/base_layer/kernel`` and
+    the adapters are ``<layer>/lora_A/<adapter>/kernel`` (in, r) and
+    ``<layer>/lora_B/<adapter>/kernel`` (r, out), dense layers in the (in, out) layout.
+    """
     while True:
         inner = getattr(model, "_orig_mod", None)
         if isinstance(inner, nn.Module):
             model = inner
         elif isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
             model = model.module
+        elif type(model).__module__.startswith("peft.") and isinstance(
+            getattr(getattr(model, "base_model", None), "model", None), nn.Module
+        ):
+            model = model.base_model.model
         else:
             return model
 
