@@ -32,6 +32,7 @@ def _load(name: str) -> Any:
         ("tf_keras_fit", 1),
         ("hf_trainer", 3),
         ("lightning", 3),
+        ("peft_lora", 3),
     ],
 )
 def test_example_writes_a_valid_store(tmp_path, name: str, size: int) -> None:
