@@ -27,7 +27,7 @@ from typing import Any
 try:
     from lightning.pytorch import Callback as _LCallback
 except ImportError:  # pragma: no cover - the older package name
-    from pytorch_lightning import Callback as _LCallback  # type: ignore[no-redef]
+    from pytorch_lightning import Callback as _LCallback  # type: ignore[no-redef,assignment]
 
 from traintape.adapters.torch.watch import WatchHandle, watch
 from traintape.core.recorder import Recorder

@@ -268,7 +268,7 @@ def _own_tensors(mod: nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
     # integer/bool buffers (BERT's position_ids/token_type_ids, causal masks) and
     # non-persistent buffers (not in state_dict: GPT-2's masked_bias) are constants,
     # not state: never recorded as ``param``
-    skip = getattr(mod, "_non_persistent_buffers_set", set())
+    skip: set[str] = getattr(mod, "_non_persistent_buffers_set", set())
     out += [
         (n, b, True)
         for n, b in mod.named_buffers(recurse=False)
@@ -295,7 +295,7 @@ def unwrap(model: nn.Module) -> nn.Module:
         elif type(model).__module__.startswith("peft.") and isinstance(
             getattr(getattr(model, "base_model", None), "model", None), nn.Module
         ):
-            model = model.base_model.model
+            model = model.base_model.model  # type: ignore[union-attr,assignment]
         else:
             return model
 
