@@ -31,7 +31,7 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from traintape.adapters.torch.watch import WatchHandle, watch
+from traintape.adapters.torch.watch import WatchHandle, callback_watch_kwargs, watch
 from traintape.core.recorder import Recorder
 
 
@@ -46,11 +46,8 @@ class Callback(TrainerCallback):
     """
 
     def __init__(self, recorder: Recorder, **watch_kwargs: Any) -> None:
-        for k in ("optimizer", "start_step"):
-            if k in watch_kwargs:
-                raise TypeError(f"traintape.transformers.Callback: {k}= is set by the callback")
         self.recorder = recorder
-        self.watch_kwargs = watch_kwargs
+        self.watch_kwargs = callback_watch_kwargs("traintape.transformers.Callback", watch_kwargs)
         self.handle: WatchHandle | None = None
 
     def on_train_begin(

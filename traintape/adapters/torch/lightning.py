@@ -29,7 +29,7 @@ try:
 except ImportError:  # pragma: no cover - the older package name
     from pytorch_lightning import Callback as _LCallback  # type: ignore[no-redef,assignment]
 
-from traintape.adapters.torch.watch import WatchHandle, watch
+from traintape.adapters.torch.watch import WatchHandle, callback_watch_kwargs, watch
 from traintape.core.recorder import Recorder
 
 
@@ -43,11 +43,8 @@ class Callback(_LCallback):  # type: ignore[misc]
     """
 
     def __init__(self, recorder: Recorder, **watch_kwargs: Any) -> None:
-        for k in ("optimizer", "start_step"):
-            if k in watch_kwargs:
-                raise TypeError(f"traintape.lightning.Callback: {k}= is set by the callback")
         self.recorder = recorder
-        self.watch_kwargs = watch_kwargs
+        self.watch_kwargs = callback_watch_kwargs("traintape.lightning.Callback", watch_kwargs)
         self.handle: WatchHandle | None = None
         self._last_step = 0
         self._warned = False

@@ -535,6 +535,15 @@ class WatchHandle:
         self._boundary()
 
 
+def callback_watch_kwargs(owner: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``watch`` arguments given to a training-loop callback (HF Trainer, Lightning): the
+    callback sets ``optimizer`` and ``start_step`` itself, so passing them is refused."""
+    for k in ("optimizer", "start_step"):
+        if k in kwargs:
+            raise TypeError(f"{owner}: {k}= is set by the callback")
+    return dict(kwargs)
+
+
 def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """The ``torch.optim.Optimizer`` inside ``optimizer``: itself, or the optimizer a
     wrapper delegates ``step()`` to (Accelerate's ``AcceleratedOptimizer.optimizer``,
