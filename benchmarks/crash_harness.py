@@ -39,7 +39,7 @@ def main() -> None:
     args = ap.parse_args()
     rng = random.Random(args.seed)
     root = Path(args.out or tempfile.mkdtemp(prefix="tt-crash-"))
-    counts = {s: Counter() for s in SCENARIOS}
+    counts: dict[str, Counter[str]] = {s: Counter() for s in SCENARIOS}
     chains = {s: str(root / s) for s in SCENARIOS}
     for i in range(args.trials):
         s = SCENARIOS[i % len(SCENARIOS)]
@@ -67,11 +67,19 @@ def main() -> None:
             c["appendable"] += appendable(run_dir)
         except Exception as e:
             print(f"trial {i} {s}: not appendable: {e}", flush=True)
+        if (i + 1) % 20 == 0 and i + 1 < args.trials:
+            print(f"after {i + 1} trials:", flush=True)
+            _table(counts)
+    _table(counts)
+
+
+def _table(counts: dict[str, Counter[str]]) -> None:
     print("| scenario | trials | valid | bit-exact | appendable |")
     print("|---|---|---|---|---|")
     for s in SCENARIOS:
         c = counts[s]
-        print(f"| {s} | {c['trials']} | {c['valid']} | {c['bit-exact']} | {c['appendable']} |")
+        print(f"| {s} | {c['trials']} | {c['valid']} | {c['bit-exact']} | {c['appendable']} |",
+              flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
