@@ -56,3 +56,24 @@ def test_robust_z_ignores_smooth_decrease():
     x = np.exp(-np.arange(100) / 30)
     z = robust_z(x, 20)
     assert np.nanmax(np.abs(z)) < 6
+
+
+def test_root_level_tensor_has_layer_empty_and_stats_by_name(tmp_path):
+    """A tensor at the root (``scale``) belongs to layer '' (as ``split_name`` says);
+    stat columns are looked up by the store's own stat names."""
+    import pytest
+
+    from traintape.analysis._common import layer_of, stat_index
+
+    url = str(tmp_path / "root")
+    with traintape.Recorder(url) as rec:
+        for t in range(6):
+            v = np.ones(4, np.float32) if t != 3 else np.array([1, np.nan, 1, 1], np.float32)
+            rec.record(t, "param", {"scale": v, "net/0/kernel": np.ones((2, 2), np.float32)})
+    run = traintape.open_run(url)
+    assert layer_of("scale") == "" and layer_of("net/0/kernel") == "net/0"
+    nan = anomalies(run).of_type("nan")
+    assert [(a.step, a.tensor, a.layer) for a in nan] == [(3, "scale", "")]
+    assert stat_index(run, "l2") == run.manifest.stat_names.index("l2")
+    with pytest.raises(KeyError, match="no statistic 'kurtosis'"):
+        stat_index(run, "kurtosis")

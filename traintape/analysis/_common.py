@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from traintape.schema import STAT_INDEX, Kind
+from traintape.schema import Kind, split_name
 
 if TYPE_CHECKING:
     from traintape.core.reader import Run
@@ -145,8 +145,19 @@ def natural_key(name: str) -> tuple:
 
 
 def layer_of(name: str) -> str:
-    """Layer path of a canonical tensor name (everything before the role leaf)."""
-    return name.rsplit("/", 1)[0] if "/" in name else ""
+    """Layer path of a canonical tensor name (everything before the role leaf; '' for a
+    root-level tensor), as :func:`traintape.schema.split_name` splits it."""
+    return split_name(name)[0]
+
+
+def stat_index(run: Run, stat: str) -> int:
+    """Column of statistic ``stat`` in ``run``'s stats arrays, looked up by name in the
+    store's own ``manifest.stat_names`` (a store may carry other statistics)."""
+    names = run.manifest.stat_names
+    try:
+        return names.index(stat)
+    except ValueError:
+        raise KeyError(f"{run.url}: no statistic {stat!r} in this store; it has {names}") from None
 
 
 def forward_rank(run: Run) -> dict[str, int]:
@@ -198,7 +209,7 @@ def layer_norms(
     if not names or run.rows == 0:
         return run.steps, layers, np.zeros((run.rows, len(layers)))
     data = _stats(run, kind, cache)
-    l2 = data[:, :, STAT_INDEX["l2"]]
+    l2 = data[:, :, stat_index(run, "l2")]
     missing = np.isnan(data).all(axis=2)
     out = np.full((data.shape[0], len(layers)), np.nan)
     col = {layer: i for i, layer in enumerate(layers)}
@@ -221,7 +232,7 @@ def layer_stat(
     layers = ordered_layers(run, kind)
     if not names or run.rows == 0:
         return run.steps, layers, np.zeros((run.rows, len(layers)))
-    data = _stats(run, kind, cache)[:, :, STAT_INDEX[stat]]
+    data = _stats(run, kind, cache)[:, :, stat_index(run, stat)]
     out = np.full((data.shape[0], len(layers)), np.nan)
     for c, layer in enumerate(layers):
         idx = [j for j, n in enumerate(names) if layer_of(n) == layer]

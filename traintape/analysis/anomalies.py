@@ -34,12 +34,14 @@ from traintape.analysis._common import (
     finite_float,
     forward_rank,
     layer_norms,
+    layer_of,
     layer_stat,
     natural_key,
     robust_z,
+    stat_index,
     tensor_rank,
 )
-from traintape.schema import STAT_INDEX, Kind, Severity
+from traintape.schema import Kind, Severity
 
 if TYPE_CHECKING:
     from traintape.core.reader import Run
@@ -93,7 +95,8 @@ def _nonfinite(run: Run, cache: StatsCache) -> list[Anomaly]:
     for kind in run.kinds():
         names = run.tensor_names(kind)
         data = cache.get(kind)
-        for typ, col in (("nan", STAT_INDEX["nan_count"]), ("inf", STAT_INDEX["inf_count"])):
+        for typ, stat in (("nan", "nan_count"), ("inf", "inf_count")):
+            col = stat_index(run, stat)
             cnt = data[:, :, col]
             bad = np.nan_to_num(cnt, nan=0.0) > 0
             for j in np.flatnonzero(bad.any(axis=0)):
@@ -103,7 +106,7 @@ def _nonfinite(run: Run, cache: StatsCache) -> list[Anomaly]:
                     type=typ,
                     step=int(steps[r]),
                     tensor=name,
-                    layer=name.rsplit("/", 1)[0],
+                    layer=layer_of(name),
                     kind=kind,
                     severity=Severity.ERROR,
                     message=f"first {typ.upper()} in {kind.value} {name} ({int(cnt[r, j])} values)",

@@ -59,7 +59,7 @@ from traintape.analysis._common import (
     natural_key,
     tensor_rank,
 )
-from traintape.schema import STAT_NAMES, Kind
+from traintape.schema import Kind
 
 if TYPE_CHECKING:
     import os
@@ -305,7 +305,10 @@ def compare(
     structural: list[StructuralDiff] = []
     notes: list[str] = []
     _structure(ra, rb, structural, notes)
-    labels = list(STAT_NAMES)
+    # statistics are matched by name (each store records its own ``stat_names``)
+    labels = [n for n in ra.manifest.stat_names if n in set(rb.manifest.stat_names)]
+    ca = [ra.manifest.stat_names.index(n) for n in labels]
+    cb = [rb.manifest.stat_names.index(n) for n in labels]
     accs: list[_Acc] = []
     sa, sb = ra.steps, rb.steps
     n_common = len(np.intersect1d(sa, sb))
@@ -330,8 +333,8 @@ def compare(
         tol = tols[kind.value]
         kacc = [_Acc(n, kind.value, tol) for n in common]
         for sl_a, sl_b, ia, ib, steps in _row_blocks(sa, sb, block_rows):
-            A = ra.stats_array(kind, rows=sl_a)[ia][:, ja]
-            B = rb.stats_array(kind, rows=sl_b)[ib][:, jb]
+            A = ra.stats_array(kind, rows=sl_a)[ia][:, ja][:, :, ca]
+            B = rb.stats_array(kind, rows=sl_b)[ib][:, jb][:, :, cb]
             present = ~(np.isnan(A).all(axis=2) & np.isnan(B).all(axis=2))
             for t, acc in enumerate(kacc):
                 m = present[:, t]

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 
 from traintape.analysis._common import ProgressCallback, Tracker
-from traintape.schema import STAT_NAMES
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -49,7 +48,10 @@ def export(
     if format == "npz":
         snap_kinds = [k for k in run.kinds() if snapshots and k in run.manifest.commit.snapshots]
         tracker.add(sum(len(run.tensor_names(k)) for k in snap_kinds) + 1)
-        arrays: dict[str, np.ndarray] = {"steps": run.steps, "stat_names": np.asarray(STAT_NAMES)}
+        arrays: dict[str, np.ndarray] = {
+            "steps": run.steps,
+            "stat_names": np.asarray(run.manifest.stat_names),
+        }
         for kind in run.kinds():
             tracker.stage(f"{kind.value} stats")
             arrays[f"stats_{kind.value}"] = run.stats_array(kind)

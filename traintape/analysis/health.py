@@ -34,8 +34,9 @@ from traintape.analysis._common import (
     layer_norms,
     layer_of,
     layer_stat,
+    stat_index,
 )
-from traintape.schema import STAT_INDEX, Kind
+from traintape.schema import Kind, split_name
 
 if TYPE_CHECKING:
     from traintape.core.reader import Run
@@ -221,13 +222,13 @@ def health(
     if Kind.GRAD in kinds:
         data = cache.get(Kind.GRAD)
         names = run.tensor_names(Kind.GRAD)
-        nf = data[:, :, STAT_INDEX["nan_count"]] + data[:, :, STAT_INDEX["inf_count"]]
+        nf = data[:, :, stat_index(run, "nan_count")] + data[:, :, stat_index(run, "inf_count")]
         grad_nonfinite = {
             layer: float(np.nansum(nf[:, [j for j, n in enumerate(names) if layer_of(n) == layer]]))
             for layer in layers
         }
         # a layer is "zero" at a step when every grad tensor of it is exactly all-zero
-        zf = data[:, :, STAT_INDEX["zero_frac"]]
+        zf = data[:, :, stat_index(run, "zero_frac")]
         grad_zero_steps = {}
         for layer in layers:
             idx = [j for j, n in enumerate(names) if layer_of(n) == layer]
@@ -381,7 +382,7 @@ def health(
                                      ratio=ratio, fastest=hi_l.layer, slowest=lo_l.layer))  # fmt: skip
     # attention: sibling sub-layers q/k/v under one parent
     by_layer = {lh.layer: lh for lh in out}
-    parents = {L.rsplit("/", 1)[0] for L in by_layer if L.rsplit("/", 1)[-1] in ("q", "k", "v")}
+    parents = {split_name(L)[0] for L in by_layer if split_name(L)[1] in ("q", "k", "v")}
     for parent in sorted(parents):
         gn = {
             s: by_layer[f"{parent}/{s}"].grad_norm

@@ -21,11 +21,12 @@ from traintape.analysis._common import (
     Tracker,
     layer_norms,
     natural_key,
+    stat_index,
 )
 from traintape.analysis.anomalies import AnomalyReport, anomalies
 from traintape.analysis.change import change_from_stats, parameter_change
 from traintape.analysis.health import HealthReport, health
-from traintape.schema import STAT_INDEX, Kind
+from traintape.schema import Kind
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -118,11 +119,11 @@ def _weights_fig(run: Run, cache: StatsCache, max_tensors: int = 8) -> str | Non
     fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 2.6 * rows), squeeze=False)
     for k, n in enumerate(pick):
         ax = axes[k // cols][k % cols]
-        mean, std = data[:, k, STAT_INDEX["mean"]], data[:, k, STAT_INDEX["std"]]
+        mean, std = data[:, k, stat_index(run, "mean")], data[:, k, stat_index(run, "std")]
         ax.fill_between(
             steps,
-            data[:, k, STAT_INDEX["min"]],
-            data[:, k, STAT_INDEX["max"]],
+            data[:, k, stat_index(run, "min")],
+            data[:, k, stat_index(run, "max")],
             alpha=0.15,
             label="min..max",
         )
