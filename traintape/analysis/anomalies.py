@@ -8,8 +8,15 @@ Detectors (thresholds in :class:`AnomalyThresholds`, defaults in parentheses):
   order, then by forward order of the layer (see :mod:`traintape.analysis._common`),
   then by name. One anomaly per (type, kind, tensor) at its first step.
 - ``loss_spike`` / ``loss_drop``: robust rolling z-score of the loss against the
-  preceding ``window`` (20) values above ``z`` (6) / below ``−z``.
-- ``grad_spike``: the same z-score on log10 of each layer's gradient norm above ``z``.
+  preceding ``window`` (20) values above ``z`` (6) / below ``−z``:
+  ``z_t = (x_t − median) / (1.4826·MAD + eps)`` over ``x_{t−w..t−1}``. Warm-up: a
+  z-score counts only once ``min_history`` (20) finite values precede it. A spike is a
+  **warning** when it climbs back at least ``spike_undo`` (0.5) of the way from the
+  rolling median to the highest rolling median before it (it undoes that much of the
+  progress); a smaller one — a noisy batch late in a converged run — is **info**. Drops
+  are info.
+- ``grad_spike``: the same z-score on log10 of each layer's gradient norm above ``z``,
+  graded the same way on the norms themselves.
 - ``update_ratio``: per layer, steps where ``‖Δθ‖/‖θ‖`` leaves
   [``update_ratio_low`` (1e-7), ``update_ratio_high`` (0.1)]; reported at the first such step.
 - ``dead_units``: median activation zero fraction above ``dead_frac`` (0.9, warning; ``dead_frac_error``
@@ -28,17 +35,18 @@ from pydantic import BaseModel, Field
 
 from traintape.analysis._common import (
     KIND_RANK,
+    FirstPositive,
     ProgressCallback,
     StatsCache,
     Tracker,
+    column_median,
     finite_float,
     forward_rank,
     layer_norms,
     layer_of,
     layer_stat,
     natural_key,
-    robust_z,
-    stat_index,
+    rolling_median_mad,
     tensor_rank,
 )
 from traintape.schema import Kind, Severity
@@ -48,13 +56,28 @@ if TYPE_CHECKING:
 
 
 class AnomalyThresholds(BaseModel):
-    window: int = 20
-    z: float = 6.0
+    """Thresholds of the detectors (see the module docstring)."""
+
+    window: int = Field(20, ge=1, description="rolling window of the z-scores (steps)")
+    min_history: int = Field(
+        20,
+        ge=1,
+        description="warm-up: a z-score counts only with this many finite values in the "
+        "preceding window (at most `window`)",
+    )
+    z: float = Field(6.0, gt=0, description="|robust z| above this is a spike / drop")
+    spike_undo: float = Field(
+        0.5,
+        ge=0,
+        description="a spike is a warning when it climbs back at least this fraction of "
+        "the way from the rolling median to the highest rolling median seen before; "
+        "smaller spikes (a noisy batch late in a converged run) are info",
+    )
     update_ratio_low: float = 1e-7
     update_ratio_high: float = 0.1
     dead_frac: float = 0.9
     dead_frac_error: float = 0.99
-    stall_window: int = 20
+    stall_window: int = Field(20, ge=2)
     stall_rel: float = 1e-4
     loss_metric: str = "loss"
 
@@ -83,9 +106,45 @@ class AnomalyReport(BaseModel):
     def of_type(self, type: str) -> list[Anomaly]:
         return [a for a in self.anomalies if a.type == type]
 
+    def summary(self) -> str:
+        """One line: ``none``, or counts by severity and by type, and the first
+        non-finite value (what ``traintape demo`` and ``traintape anomalies`` print)."""
+        if not self.anomalies:
+            return "none"
+        parts = []
+        for sev in (Severity.ERROR, Severity.WARNING, Severity.INFO):
+            found = [a for a in self.anomalies if a.severity == sev]
+            if not found:
+                continue
+            by: dict[str, int] = {}
+            for a in found:
+                by[a.type] = by.get(a.type, 0) + 1
+            name = {"error": "error", "warning": "warning", "info": "info"}[sev.value]
+            plural = "s" if len(found) > 1 and sev != Severity.INFO else ""
+            detail = ", ".join(f"{n} {t}" for t, n in sorted(by.items(), key=lambda x: -x[1]))
+            parts.append(f"{len(found)} {name}{plural} ({detail})")
+        if not any(a.severity in (Severity.ERROR, Severity.WARNING) for a in self.anomalies):
+            parts.insert(0, "no errors or warnings")
+        line = "; ".join(parts)
+        f = self.first_nonfinite
+        if f is not None:
+            line += f"; first non-finite: step {f.step}, {f.kind.value if f.kind else 'metric'} {f.tensor}"
+        return line
+
 
 def _ev(**kw: Any) -> dict[str, Any]:
     return {k: finite_float(v) if isinstance(v, float | np.floating) else v for k, v in kw.items()}
+
+
+def want_anomalies(run: Run, cache: StatsCache) -> None:
+    """Declare the stats :func:`anomalies` reads (so a report loads them in one pass)."""
+    for kind in run.kinds():
+        for stat in ("nan_count", "inf_count"):
+            cache.want_reducer(("first", kind, stat), FirstPositive(kind, stat))
+    cache.want(Kind.GRAD, "l2", "norm")
+    cache.want(Kind.PARAM, "l2", "norm")
+    cache.want(Kind.UPDATE, "l2", "norm")
+    cache.want(Kind.ACTIVATION, "zero_frac", "max")
 
 
 def _nonfinite(run: Run, cache: StatsCache) -> list[Anomaly]:
@@ -94,13 +153,12 @@ def _nonfinite(run: Run, cache: StatsCache) -> list[Anomaly]:
     steps = run.steps
     for kind in run.kinds():
         names = run.tensor_names(kind)
-        data = cache.get(kind)
+        if not names:
+            continue
         for typ, stat in (("nan", "nan_count"), ("inf", "inf_count")):
-            col = stat_index(run, stat)
-            cnt = data[:, :, col]
-            bad = np.nan_to_num(cnt, nan=0.0) > 0
-            for j in np.flatnonzero(bad.any(axis=0)):
-                r = int(np.argmax(bad[:, j]))
+            first, at, count = cache.result(("first", kind, stat))
+            for j in np.flatnonzero(first >= 0):
+                r = int(first[j])
                 name = names[j]
                 a = Anomaly(
                     type=typ,
@@ -109,8 +167,8 @@ def _nonfinite(run: Run, cache: StatsCache) -> list[Anomaly]:
                     layer=layer_of(name),
                     kind=kind,
                     severity=Severity.ERROR,
-                    message=f"first {typ.upper()} in {kind.value} {name} ({int(cnt[r, j])} values)",
-                    evidence=_ev(count=int(cnt[r, j]), steps_affected=int(bad[:, j].sum())),
+                    message=f"first {typ.upper()} in {kind.value} {name} ({int(at[j])} values)",
+                    evidence=_ev(count=int(at[j]), steps_affected=int(count[j])),
                 )
                 key = (a.step, KIND_RANK[kind], tensor_rank(rank, name), natural_key(name))
                 out.append((key, a))
@@ -134,34 +192,67 @@ def _nonfinite(run: Run, cache: StatsCache) -> list[Anomaly]:
 
 
 def _series_z(
-    name: str,
+    what: list[str],
     steps: np.ndarray,
     x: np.ndarray,
     th: AnomalyThresholds,
     typ_up: str,
     typ_down: str | None,
-    layer: str | None = None,
+    layers: list[str | None] | None = None,
+    *,
+    log: bool = False,
+    max_values: int = 4 << 20,
 ) -> list[Anomaly]:
-    z = robust_z(x, th.window)
-    out = []
-    for i in np.flatnonzero(np.abs(np.nan_to_num(z)) > th.z):
-        up = z[i] > 0
-        if not up and typ_down is None:
+    """Spikes (and drops) of the columns of ``x [rows, col]`` (``what[c]`` names column
+    c): robust z against the preceding window, after the warm-up (``log``: ``x`` holds
+    log10 values; evidence and the warning rule use the values themselves). A spike is
+    a warning when it climbs back at least ``spike_undo`` of the way from the rolling
+    median to the highest rolling median before it, else info. Vectorised over the
+    columns, in groups of at most ``max_values`` values."""
+    out: list[Anomaly] = []
+    n_rows = x.shape[0]
+    if n_rows == 0 or x.shape[1] == 0:
+        return out
+    need = max(1, min(th.min_history, th.window))
+    step = max(1, max_values // n_rows)
+    for c0 in range(0, x.shape[1], step):
+        xb = np.asarray(x[:, c0 : c0 + step], dtype=np.float64)
+        med, mad, n = rolling_median_mad(xb, th.window)
+        eps = 1e-3 * (np.abs(med) + 1e-12)
+        with np.errstate(all="ignore"):
+            z = (xb - med) / (1.4826 * mad + eps)
+        z = np.where((n >= need) & np.isfinite(xb), z, np.nan)
+        hit = np.abs(np.nan_to_num(z)) > th.z
+        if typ_down is None:
+            hit &= z > 0
+        if not hit.any():
             continue
-        typ = typ_up if up else typ_down
-        w = x[max(0, i - th.window) : i]
-        out.append(
-            Anomaly(
-                type=typ or typ_up,
-                step=int(steps[i]),
-                layer=layer,
-                severity=Severity.WARNING if up else Severity.INFO,
-                message=f"{name} {'spike' if up else 'drop'}: robust z = {z[i]:.1f}",
-                evidence=_ev(
-                    value=float(x[i]), rolling_median=float(np.nanmedian(w)), z=float(z[i])
-                ),
-            )
-        )
+        # how far back towards the highest level seen before does a spike climb?
+        lin = np.power(10.0, med) if log else med
+        peak = np.fmax.accumulate(np.where(np.isnan(lin), -np.inf, lin), axis=0)
+        for i, c in zip(*np.nonzero(hit), strict=True):
+            up = bool(z[i, c] > 0)
+            value = float(10.0 ** xb[i, c]) if log else float(xb[i, c])
+            base = float(lin[i, c])
+            undo = (value - base) / (peak[i, c] - base) if peak[i, c] > base else float("inf")
+            warn = up and undo >= th.spike_undo
+            kind_of = "spike" if up else "drop"
+            out.append(
+                Anomaly(
+                    type=typ_up if up else (typ_down or typ_up),
+                    step=int(steps[i]),
+                    layer=None if layers is None else layers[c0 + c],
+                    severity=Severity.WARNING if warn else Severity.INFO,
+                    message=f"{what[c0 + c]} {kind_of}: robust z = {z[i, c]:.1f}, "
+                    f"{value / base if base else float('inf'):.3g}x the rolling median"
+                    + ("" if not up or warn else f" (back {100 * undo:.0f}% of the way to "
+                       "the earlier level: minor)"),
+                    evidence=_ev(
+                        value=value, rolling_median=base, z=float(z[i, c]),
+                        undo_frac=float(undo) if up else None,
+                    ),
+                )
+            )  # fmt: skip
     return out
 
 
@@ -185,7 +276,9 @@ def anomalies(
     if cache is None:
         cache = StatsCache(run, Tracker(progress))
     tracker = cache.tracker
-    tracker.add(cache.blocks() + 1)
+    want_anomalies(run, cache)
+    tracker.add(cache.pending_blocks() + 1)
+    cache.load()
     found: list[Anomaly] = []
     nonfinite = _nonfinite(run, cache)
     tracker.stage("detecting anomalies")
@@ -196,7 +289,7 @@ def anomalies(
     if th.loss_metric in met.columns:
         loss = met[th.loss_metric].to_numpy(dtype=np.float64)
         lsteps = met.index.to_numpy()
-        found += _series_z("loss", lsteps, loss, th, "loss_spike", "loss_drop")
+        found += _series_z(["loss"], lsteps, loss[:, None], th, "loss_spike", "loss_drop")
         fin = np.isfinite(loss)
         if fin.sum() > th.stall_window:
             tail = loss[fin][-th.stall_window :]
@@ -216,21 +309,25 @@ def anomalies(
 
     if Kind.GRAD in kinds:
         steps, layers, g = layer_norms(run, Kind.GRAD, cache)
+        lg = np.empty(g.shape, dtype=np.float32 if g.dtype == np.float32 else np.float64)
         with np.errstate(all="ignore"):
-            lg = np.log10(np.where(g > 0, g, np.nan))
-        for c, layer in enumerate(layers):
-            found += _series_z(
-                f"grad norm of {layer}", steps, lg[:, c], th, "grad_spike", None, layer
-            )
+            np.log10(g, out=lg, where=g > 0)
+        lg[~(g > 0)] = np.nan
+        found += _series_z(
+            [f"grad norm of {x}" for x in layers], steps, lg, th, "grad_spike", None,
+            list(layers), log=True,
+        )  # fmt: skip
+        del lg
 
     if Kind.UPDATE in kinds and Kind.PARAM in kinds:
         steps, ul, u = layer_norms(run, Kind.UPDATE, cache)
         _, pl, p = layer_norms(run, Kind.PARAM, cache)
-        for layer in ul:
-            if layer not in pl:
+        pcol = {x: i for i, x in enumerate(pl)}
+        for c, layer in enumerate(ul):
+            if layer not in pcol:
                 continue
             with np.errstate(all="ignore"):
-                r = u[:, ul.index(layer)] / p[:, pl.index(layer)]
+                r = np.asarray(u[:, c], dtype=np.float64) / p[:, pcol[layer]]
             fin = np.isfinite(r)
             for label, mask in (
                 ("high", fin & (r > th.update_ratio_high)),
@@ -256,17 +353,18 @@ def anomalies(
 
     if Kind.ACTIVATION in kinds:
         steps, layers, zf = layer_stat(run, Kind.ACTIVATION, "zero_frac", "max", cache)
+        meds = column_median(zf)
         for c, layer in enumerate(layers):
             col = zf[:, c]
             mask = np.nan_to_num(col) > th.dead_frac
-            if not mask.any() or not float(np.nanmedian(col)) > th.dead_frac:
+            med = float(meds[c])
+            if not mask.any() or not med > th.dead_frac:
                 continue
             i = int(np.argmax(mask))
-            ev = _ev(zero_frac_first=float(col[i]), zero_frac_median=float(np.nanmedian(col)))
+            ev = _ev(zero_frac_first=float(col[i]), zero_frac_median=med)
             dead_units = _dead_units(run, f"{layer}/output")
             if dead_units is not None:
                 ev["dead_unit_frac"] = dead_units
-            med = float(np.nanmedian(col))
             found.append(
                 Anomaly(
                     type="dead_units",

@@ -27,13 +27,13 @@ from pydantic import BaseModel, Field
 
 from traintape.analysis._common import (
     ProgressCallback,
+    Reducer,
     StatsCache,
     Tracker,
     _quiet,
+    column_median,
     finite_float,
     layer_norms,
-    layer_of,
-    layer_stat,
     stat_index,
 )
 from traintape.schema import Kind, split_name
@@ -180,6 +180,113 @@ def _med(x: np.ndarray) -> float | None:
 
 
 _KINDS = (Kind.GRAD, Kind.PARAM, Kind.UPDATE, Kind.ACTIVATION)
+_ACT_SERIES = (
+    ("zero_frac", "max"), ("min", "mean"), ("max", "mean"), ("abs_mean", "mean"),
+    ("mean", "mean"), ("std", "mean"),
+)  # fmt: skip
+
+
+class GradTotals(Reducer):
+    """Per layer of the grad kind, over all rows: non-finite values (NaN + Inf), rows at
+    which every gradient tensor of the layer is exactly zero, and rows recorded.
+    ``value = (nonfinite [layer], zero_rows [layer], recorded_rows [layer])``."""
+
+    kind = Kind.GRAD
+
+    def begin(self, cache: StatsCache) -> None:
+        self.groups = cache.groups(Kind.GRAD)
+        self.cols = [stat_index(cache.run, s) for s in ("nan_count", "inf_count", "zero_frac")]
+        n = len(self.groups.layers)
+        self.value = (np.zeros(n), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64))
+
+    def update(self, start: int, block: np.ndarray) -> None:
+        nonfinite, zero_rows, recorded = self.value
+        nf = block[:, :, self.cols[0]] + block[:, :, self.cols[1]]
+        with np.errstate(all="ignore"):
+            nonfinite += np.nansum(self.groups.reduce(nf, "sum"), axis=0)
+        zmin = self.groups.reduce(block[:, :, self.cols[2]], "min")  # NaN: not recorded
+        rec = ~np.isnan(zmin)
+        recorded += rec.sum(axis=0)
+        zero_rows += (rec & (zmin >= 1.0)).sum(axis=0)
+
+
+def _column_groups(n_rows: int, n_cols: int, max_values: int = 4 << 20) -> range:
+    return range(0, n_cols, max(1, max_values // max(n_rows, 1)))
+
+
+def _grad_measures(g: np.ndarray) -> dict[str, np.ndarray]:
+    """Per column of grad norms ``g [rows, layer]`` over the finite values: ``median``,
+    ``cv`` (std/mean; NaN with fewer than 2 values or mean 0), ``growth`` (median of the
+    last quarter / of the first quarter of the values; NaN with fewer than 4) and
+    ``max`` (NaN if none). Vectorised in groups of columns."""
+    n_rows, n_cols = g.shape
+    out = {k: np.full(n_cols, np.nan) for k in ("median", "cv", "growth", "max")}
+    step = _column_groups(n_rows, n_cols).step
+    for c0 in range(0, n_cols, step):
+        x = np.asarray(g[:, c0 : c0 + step], dtype=np.float64)
+        fin = np.isfinite(x)
+        n = fin.sum(axis=0)
+        xf = np.where(fin, x, np.nan)
+        sl = slice(c0, c0 + x.shape[1])
+        out["median"][sl] = column_median(xf)
+        with _quiet(), np.errstate(all="ignore"):
+            mean, std = np.nanmean(xf, axis=0), np.nanstd(xf, axis=0)
+            out["max"][sl] = np.nanmax(xf, axis=0)
+            out["cv"][sl] = np.where((n > 1) & (mean > 0), std / mean, np.nan)
+        growth = np.full(x.shape[1], np.nan)
+        dense = fin.all(axis=0) & (n >= 4)
+        if dense.any() and n_rows >= 4:  # the same quarter rows for every full column
+            q = max(1, n_rows // 4)
+            first, last = column_median(x[:q, dense]), column_median(x[-q:, dense])
+            with np.errstate(all="ignore"):
+                growth[dense] = np.where(first > 0, last / first, np.nan)
+        for c in np.flatnonzero(~dense & (n >= 4)):  # columns with gaps: their own quarters
+            v = x[fin[:, c], c]
+            q = max(1, len(v) // 4)
+            first, last = np.median(v[:q]), np.median(v[-q:])
+            growth[c] = last / first if first > 0 else np.nan
+        out["growth"][sl] = growth
+    return out
+
+
+def _ratio_median(
+    a: np.ndarray | None,
+    a_layers: list[str],
+    b: np.ndarray | None,
+    b_layers: list[str],
+    layers: list[str],
+) -> np.ndarray:
+    """Per layer of ``layers``: median over rows of ``a[:, layer] / b[:, layer]`` (NaN
+    where either series lacks the layer)."""  # fmt: skip
+    out = np.full(len(layers), np.nan)
+    if a is None or b is None:
+        return out
+    acol = {x: i for i, x in enumerate(a_layers)}
+    bcol = {x: i for i, x in enumerate(b_layers)}
+    pairs = [(k, acol[x], bcol[x]) for k, x in enumerate(layers) if x in acol and x in bcol]
+    if not pairs:
+        return out
+    step = _column_groups(a.shape[0], len(pairs)).step
+    for s0 in range(0, len(pairs), step):
+        grp = pairs[s0 : s0 + step]
+        ia = [p[1] for p in grp]
+        ib = [p[2] for p in grp]
+        out[[p[0] for p in grp]] = column_median(_ratio(a[:, ia], b[: a.shape[0], ib]))
+    return out
+
+
+def want_health(run: Run, cache: StatsCache) -> None:
+    """Declare the stats :func:`health` reads (so a report loads them in one pass)."""
+    for kind in (Kind.GRAD, Kind.PARAM, Kind.UPDATE):
+        cache.want(kind, "l2", "norm")
+    cache.want_reducer(("grad_totals",), GradTotals())
+    for stat, how in _ACT_SERIES:
+        cache.want(Kind.ACTIVATION, stat, how)
+
+
+def _ratio(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    with np.errstate(all="ignore"):
+        return np.asarray(a, dtype=np.float64) / b
 
 
 def health(
@@ -202,7 +309,9 @@ def health(
     if cache is None:
         cache = StatsCache(run, Tracker(progress))
     tracker = cache.tracker
-    tracker.add(cache.blocks(_KINDS) + 1)
+    want_health(run, cache)
+    tracker.add(cache.pending_blocks() + 1)
+    cache.load()
     kinds = set(run.kinds())
     if Kind.GRAD in kinds:
         steps, layers, g = layer_norms(run, Kind.GRAD, cache)
@@ -216,72 +325,49 @@ def health(
     u: np.ndarray | None = None
     if Kind.UPDATE in kinds:
         _, u_layers, u = layer_norms(run, Kind.UPDATE, cache)
-    all_layers = list(layers) + [x for x in p_layers if x not in layers]
-    grad_nonfinite = None
-    grad_zero_steps = None
-    if Kind.GRAD in kinds:
-        data = cache.get(Kind.GRAD)
-        names = run.tensor_names(Kind.GRAD)
-        nf = data[:, :, stat_index(run, "nan_count")] + data[:, :, stat_index(run, "inf_count")]
-        grad_nonfinite = {
-            layer: float(np.nansum(nf[:, [j for j, n in enumerate(names) if layer_of(n) == layer]]))
-            for layer in layers
-        }
-        # a layer is "zero" at a step when every grad tensor of it is exactly all-zero
-        zf = data[:, :, stat_index(run, "zero_frac")]
-        grad_zero_steps = {}
-        for layer in layers:
-            idx = [j for j, n in enumerate(names) if layer_of(n) == layer]
-            block = zf[:, idx]
-            rec = ~np.isnan(block).all(axis=1)
-            allzero = (block >= 1.0).all(axis=1) & rec
-            grad_zero_steps[layer] = float(allzero.sum() / max(rec.sum(), 1))
+    all_layers = list(layers) + [x for x in p_layers if x not in set(layers)]
+    grad_nonfinite: dict[str, float] = {}
+    grad_zero_steps: dict[str, float] = {}
+    if Kind.GRAD in kinds and layers:
+        nonfinite, zero_rows, recorded = cache.result(("grad_totals",))
+        for c, layer in enumerate(layers):
+            grad_nonfinite[layer] = float(nonfinite[c])
+            grad_zero_steps[layer] = float(zero_rows[c] / max(int(recorded[c]), 1))
     act: dict[str, dict[str, float | None]] = {}
     if Kind.ACTIVATION in kinds:
-        _, a_layers, zfrac = layer_stat(run, Kind.ACTIVATION, "zero_frac", "max", cache)
-        _, _, amin = layer_stat(run, Kind.ACTIVATION, "min", "mean", cache)
-        _, _, amax = layer_stat(run, Kind.ACTIVATION, "max", "mean", cache)
-        _, _, aabs = layer_stat(run, Kind.ACTIVATION, "abs_mean", "mean", cache)
-        _, _, amean = layer_stat(run, Kind.ACTIVATION, "mean", "mean", cache)
-        _, _, astd = layer_stat(run, Kind.ACTIVATION, "std", "mean", cache)
+        a_layers = cache.groups(Kind.ACTIVATION).layers
+        ser = {stat: cache.series(Kind.ACTIVATION, stat, how) for stat, how in _ACT_SERIES}
+        meds = {k: column_median(ser[k]) for k in ("zero_frac", "abs_mean", "mean", "std")}
+        with _quiet():
+            amin, amax = np.nanmin(ser["min"], axis=0), np.nanmax(ser["max"], axis=0)
         for c, layer in enumerate(a_layers):
-            with _quiet():
-                act[layer] = {
-                    "zero_frac": _med(zfrac[:, c]),
-                    "min": finite_float(np.nanmin(amin[:, c]))
-                    if np.isfinite(amin[:, c]).any()
-                    else None,
-                    "max": finite_float(np.nanmax(amax[:, c]))
-                    if np.isfinite(amax[:, c]).any()
-                    else None,
-                    "abs_mean": _med(aabs[:, c]),
-                    "mean": _med(amean[:, c]),
-                    "std": _med(astd[:, c]),
-                }
-        for layer in a_layers:
-            if layer not in all_layers:
-                all_layers.append(layer)
+            act[layer] = {
+                "zero_frac": finite_float(meds["zero_frac"][c]),
+                "min": finite_float(amin[c]),
+                "max": finite_float(amax[c]),
+                "abs_mean": finite_float(meds["abs_mean"][c]),
+                "mean": finite_float(meds["mean"][c]),
+                "std": finite_float(meds["std"][c]),
+            }
+        seen = set(all_layers)
+        all_layers += [x for x in a_layers if x not in seen]
 
+    gm = _grad_measures(g)
+    rel = _ratio_median(g, layers, p, p_layers, layers)
+    upr = _ratio_median(u, u_layers, p, p_layers, u_layers)
+    gcol = {x: i for i, x in enumerate(layers)}
+    ucol = {x: i for i, x in enumerate(u_layers)}
     out: list[LayerHealth] = []
     for depth, layer in enumerate(all_layers):
         lh = LayerHealth(layer=layer, depth=depth)
-        if layer in layers:
-            gc = g[:, layers.index(layer)]
-            fin = gc[np.isfinite(gc)]
-            lh.grad_norm = _med(gc)
-            if len(fin) > 1 and np.mean(fin) > 0:
-                lh.grad_norm_cv = float(np.std(fin) / np.mean(fin))
-            if len(fin) >= 4:
-                q = max(1, len(fin) // 4)
-                first, last = np.median(fin[:q]), np.median(fin[-q:])
-                lh.grad_growth = float(last / first) if first > 0 else None
-            if p is not None and layer in p_layers:
-                pc = p[: len(gc), p_layers.index(layer)]
-                with np.errstate(all="ignore"):
-                    lh.rel_grad = _med(gc / pc)
-        if u is not None and p is not None and layer in u_layers and layer in p_layers:
-            with np.errstate(all="ignore"):
-                lh.update_ratio = _med(u[:, u_layers.index(layer)] / p[:, p_layers.index(layer)])
+        if layer in gcol:
+            gi = gcol[layer]
+            lh.grad_norm = finite_float(gm["median"][gi])
+            lh.grad_norm_cv = finite_float(gm["cv"][gi])
+            lh.grad_growth = finite_float(gm["growth"][gi])
+            lh.rel_grad = finite_float(rel[gi])
+        if layer in ucol:
+            lh.update_ratio = finite_float(upr[ucol[layer]])
         if layer in act:
             lh.act_zero_frac = act[layer]["zero_frac"]
         out.append(lh)
@@ -298,7 +384,7 @@ def health(
                                     f"{int(nonfinite)} non-finite gradient values",
                                     nonfinite_values=int(nonfinite)))  # fmt: skip
         elif lh.grad_norm is not None:
-            gmax = float(np.nanmax(g[:, layers.index(L)])) if L in layers else lh.grad_norm
+            gmax = float(gm["max"][gcol[L]]) if L in gcol else lh.grad_norm
             if lh.grad_norm > th.exploding_norm or gmax > th.exploding_norm:
                 lh.issues.append(_issue(IssueType.EXPLODING, Status.CRITICAL, L,
                                         f"gradient norm up to {gmax:.3g} (> {th.exploding_norm:g})",

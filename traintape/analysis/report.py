@@ -18,14 +18,14 @@ import numpy as np
 from traintape.analysis._common import (
     ProgressCallback,
     StatsCache,
+    TensorSeries,
     Tracker,
     layer_norms,
     natural_key,
-    stat_index,
 )
-from traintape.analysis.anomalies import AnomalyReport, anomalies
+from traintape.analysis.anomalies import AnomalyReport, anomalies, want_anomalies
 from traintape.analysis.change import change_from_stats, parameter_change
-from traintape.analysis.health import HealthReport, health
+from traintape.analysis.health import HealthReport, health, want_health
 from traintape.schema import Kind
 
 if TYPE_CHECKING:
@@ -104,26 +104,34 @@ def _metrics_fig(run: Run) -> str | None:
     return _png(fig)
 
 
+_WEIGHT_STATS = ("mean", "std", "min", "max")
+
+
+def _weight_tensors(run: Run, max_tensors: int = 8) -> list[str]:
+    """The param tensors whose distributions the report draws (kernels first)."""
+    names = run.tensor_names(Kind.PARAM)
+    pick = [n for n in names if n.endswith(("kernel", "embedding", "kernel_ih"))] or names
+    return sorted(pick, key=natural_key)[:max_tensors]
+
+
 def _weights_fig(run: Run, cache: StatsCache, max_tensors: int = 8) -> str | None:
     import matplotlib.pyplot as plt
 
-    if Kind.PARAM not in run.kinds():
+    if Kind.PARAM not in run.kinds() or not run.rows:
         return None
-    names = run.tensor_names(Kind.PARAM)
-    pick = [n for n in names if n.endswith(("kernel", "embedding", "kernel_ih"))] or names
-    pick = sorted(pick, key=natural_key)[:max_tensors]
-    data = cache.get(Kind.PARAM)[:, [names.index(n) for n in pick]]
+    pick = _weight_tensors(run, max_tensors)
+    data = cache.result(("weights", tuple(pick)))  # [rows, tensor, (mean, std, min, max)]
     steps = run.steps[: data.shape[0]]
     cols = min(4, len(pick))
     rows = int(np.ceil(len(pick) / cols))
     fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 2.6 * rows), squeeze=False)
     for k, n in enumerate(pick):
         ax = axes[k // cols][k % cols]
-        mean, std = data[:, k, stat_index(run, "mean")], data[:, k, stat_index(run, "std")]
+        mean, std = data[:, k, 0], data[:, k, 1]
         ax.fill_between(
             steps,
-            data[:, k, stat_index(run, "min")],
-            data[:, k, stat_index(run, "max")],
+            data[:, k, 2],
+            data[:, k, 3],
             alpha=0.15,
             label="min..max",
         )
@@ -253,9 +261,14 @@ def render_report(run: Run, *, progress: ProgressCallback | None = None) -> str:
     matplotlib.use("Agg", force=False)
     tracker = Tracker(progress)
     cache = StatsCache(run, tracker)
-    tracker.add(cache.blocks() + _FIGURES)
-    for kind in run.kinds():
-        cache.get(kind)
+    # every section's stats are declared first, so each array is read once
+    want_health(run, cache)
+    want_anomalies(run, cache)
+    if Kind.PARAM in run.kinds():
+        pick = _weight_tensors(run)
+        cache.want_reducer(("weights", tuple(pick)), TensorSeries(Kind.PARAM, pick, _WEIGHT_STATS))
+    tracker.add(cache.pending_blocks() + _FIGURES)
+    cache.load()
     m = run.manifest
     p = m.producer
     steps = run.steps
