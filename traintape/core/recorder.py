@@ -36,6 +36,7 @@ from traintape.core.errors import (
     RecordError,
     StoreError,
 )
+from traintape.core.group import ProcessGroup, check_group, detect
 from traintape.core.inputs import check_array, check_metric, check_step, check_user
 from traintape.core.kvstore import KvStore, local_path, normalize_url
 from traintape.core.registry import TensorRegistry
@@ -89,6 +90,13 @@ class Recorder:
         strict: re-raise storage failures in the training thread instead of disabling
             capture with a loud error.
         compression: 'none' (default: float gradients compress poorly), 'zstd', 'blosc'.
+        process_group: the processes of a multi-process job
+            (:class:`~traintape.core.group.ProcessGroup`); default: found from the
+            framework (``jax.distributed`` / ``torch.distributed`` once initialised), else
+            one process. Every process constructs its ``Recorder`` with the same URL and
+            policy; process 0 writes the store, the others record into nothing (the
+            adapters merge statistics over processes before they reach the recorder).
+            If process 0 cannot open the store, every process raises.
     """
 
     def __init__(
@@ -106,6 +114,7 @@ class Recorder:
         compression: str = "none",
         user: Mapping[str, Any] | None = None,
         claim_stale_after: float = STALE_AFTER,
+        process_group: ProcessGroup | None = None,
     ) -> None:
         if flush_every_steps < 1:
             raise ValueError(f"flush_every_steps must be >= 1, got {flush_every_steps}")
@@ -116,18 +125,28 @@ class Recorder:
         self.strict = strict
         self._lock = threading.RLock()  # guards manifest and row state; never held in put()
         self._put_lock = threading.Lock()  # keeps hand-over order; may block on a full queue
-        _prepare_location(self.url)  # refuse a foreign location before writing anything
-        self._claim = WriterClaim(KvStore(self.url).kv, self.url, stale_after=claim_stale_after)
-        self._claim.acquire()  # one writer per store: a live one makes this raise
-        try:
-            existing = _prepare_location(self.url, clean_leftovers=True)  # as it is now
-            self._open(existing, policy, run_id, producer, flush_every_steps,
-                       flush_every_seconds, max_pending, max_pending_bytes, compression,
-                       user)  # fmt: skip
-        except BaseException:
-            self._claim.release()
-            raise
-        if self._claim.took_over is not None:
+        self.group = detect() if process_group is None else check_group(process_group)
+        args = (policy, run_id, producer, flush_every_steps, flush_every_seconds, max_pending,
+                max_pending_bytes, compression, user)  # fmt: skip
+        failure: BaseException | None = None
+        self._claim: WriterClaim | None = None
+        if self.group.index == 0:
+            try:
+                self._open_as_leader(claim_stale_after, *args)
+            except BaseException as e:
+                failure = e
+        if self.group.count > 1:  # followers learn whether the leader opened the store
+            failed = self.group.all_gather(np.array([float(failure is not None)]))[0, 0]
+            if self.group.index != 0:
+                if failed:
+                    raise StoreError(
+                        f"process 0 of {self.group.count} could not open the store "
+                        f"{self.url} (its error says why); nothing was recorded"
+                    )
+                self._open_as_follower(*args)
+        if failure is not None:
+            raise failure
+        if self._claim is not None and self._claim.took_over is not None:
             self.event(
                 self._rows.last_sealed or 0,
                 "note",
@@ -135,6 +154,38 @@ class Recorder:
                 f"({self._claim.took_over.describe()})",
                 severity=Severity.WARNING,
             )
+
+    def _open_as_leader(self, claim_stale_after: float, *args: Any) -> None:
+        _prepare_location(self.url)  # refuse a foreign location before writing anything
+        self._claim = WriterClaim(KvStore(self.url).kv, self.url, stale_after=claim_stale_after)
+        self._claim.acquire()  # one writer per store: a live one makes this raise
+        try:
+            existing = _prepare_location(self.url, clean_leftovers=True)  # as it is now
+            self._open(existing, *args)
+        except BaseException:
+            self._claim.release()
+            raise
+
+    def _open_as_follower(
+        self, policy: CapturePolicy | None, run_id: str | None, *args: Any
+    ) -> None:
+        """A process other than 0: the same bookkeeping as the leader (declarations,
+        steps, policy checks — so bad input fails on every process alike), written
+        nowhere. The policy is the store's, which the leader has just opened."""
+        m = read_manifest(self.url)
+        if policy is not None and policy != m.policy:
+            raise RecordError(
+                f"process {self.group.index}: policy {policy.model_dump()} differs from the "
+                f"store's {m.policy.model_dump()} (process 0 opened {self.url})"
+            )
+        self._manifest = m
+        self.policy = m.policy
+        self._tensors = TensorRegistry(m)
+        self._rows = RowState(self.url, m.commit.last_step)
+        self._nonfinite = NonfiniteEvents(m.events)
+        self._closed = False
+        self._sync_hooks = []
+        self._writer = FollowerWriter()  # type: ignore[assignment]
 
     def _open(
         self,
@@ -257,13 +308,20 @@ class Recorder:
     # ------------------------------------------------------------------ recording
     def wants(self, step: int, kind: Kind | str) -> bool:
         """True if ``kind`` is recorded at ``step`` (adapters skip work when False)."""
-        return self.enabled and self.policy.records_kind(kind) and self.policy.captures(step)
+        return self._computing and self.policy.records_kind(kind) and self.policy.captures(step)
+
+    @property
+    def _computing(self) -> bool:
+        """Whether adapters compute at all. In a multi-process job every process must
+        take part in the same merges, so a storage failure on process 0 (which drops
+        what reaches it) does not change what the processes compute."""
+        return self.enabled if self.group.count == 1 else not self._closed
 
     def plan(self, step: int) -> StepPlan:
         """What to compute at optimizer step ``step``: the policy applied in one place
         (nothing while capture is disabled). Adapters whose step is known on the host ask
         this; traced adapters evaluate ``policy.captures``/``policy.is_full`` on device."""
-        if not self.enabled:
+        if not self._computing:
             return StepPlan(step=step, kinds=frozenset(), snapshot_kinds=frozenset())
         return self.policy.plan(step)
 
@@ -581,7 +639,7 @@ class Recorder:
         with self._lock:
             self._closed = True
         self._writer.close()
-        self._writer.release_claim()
+        self._writer.release_claim()  # (a follower holds none)
         if err is not None:
             raise err
         failure = self._writer.error
@@ -604,6 +662,25 @@ class Recorder:
 
     def __repr__(self) -> str:
         return f"Recorder({self.url!r}, rows={self._writer.rows_committed})"
+
+
+class FollowerWriter:
+    """The writer of a process other than 0: takes everything, writes nothing."""
+
+    error: BaseException | None = None
+    rows_committed = 0
+
+    def put(self, item: object) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def release_claim(self) -> None:
+        pass
 
 
 @dataclass(frozen=True)

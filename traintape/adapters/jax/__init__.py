@@ -11,6 +11,7 @@ Public API (re-exported as ``traintape.jax``):
 - :func:`named_leaves` — the canonical names a pytree's leaves get.
 """
 
+from traintape.adapters.jax import group as _group  # noqa: F401  (registers the detector)
 from traintape.adapters.jax.grad import nnx_value_and_grad, value_and_grad
 from traintape.adapters.jax.names import named_leaves
 from traintape.adapters.jax.optax import WatchState, watch
