@@ -97,3 +97,26 @@ def check_group(group: object) -> ProcessGroup:
     if not (isinstance(g.count, int) and g.count >= 1 and 0 <= g.index < g.count):
         raise TypeError(f"process_group {group!r}: index {g.index} / count {g.count} invalid")
     return g
+
+
+def merge_over(group: ProcessGroup, raw: np.ndarray, counts_here: np.ndarray) -> np.ndarray:
+    """Raw rows ``[n, N_RAW]`` merged over the processes of ``group``.
+
+    Every process passes its rows of the same ``n`` tensors (same order) and
+    ``counts_here [n]`` bool: whether its row of each tensor enters the global merge (a
+    shard it holds, its part of the batch: True; a copy that another process counts, a
+    replicated tensor on a process other than 0: False). Rows that do not count are
+    replaced by empty rows before one :meth:`ProcessGroup.all_gather`; the result,
+    identical on every process, is :func:`traintape.schema.stats.merge_all` over processes
+    in rank order. A single process returns ``raw`` unchanged.
+    """
+    if group.count == 1:
+        return raw
+    from traintape.schema.stats import empty_raw, merge_all
+
+    raw = np.asarray(raw, dtype=np.float64)
+    mask = np.asarray(counts_here, dtype=bool)
+    if mask.shape != raw.shape[:1]:
+        raise ValueError(f"counts_here has shape {mask.shape}, raw rows {raw.shape}")
+    mine = np.where(mask[:, None], raw, empty_raw(len(raw)))
+    return merge_all(group.all_gather(mine))

@@ -7,6 +7,7 @@ Modules: :mod:`.names` (where torch names and layouts are normalised), :mod:`.st
 forward function for the analyses).
 """
 
+from traintape.adapters.torch import dist as _dist  # noqa: F401  (registers the detector)
 from traintape.adapters.torch.canonical import from_canonical, to_canonical
 from traintape.adapters.torch.forward import TorchForward, as_forward
 from traintape.adapters.torch.names import ModelLayout, ParamEntry, model_layout

@@ -60,9 +60,15 @@ class OptStateLeaf:
 
         ``state.get``: never creates an entry in the optimizer's ``defaultdict``.
         """
+        v = self.whole(optimizer)
+        return None if v is None else self.entry.part(v)
+
+    def whole(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+        """The whole state tensor of the entry's parameter (a DTensor under FSDP2), None
+        if absent."""
         st = optimizer.state.get(self.entry.tensor())
         v = None if st is None else st.get(self.key)
-        return self.entry.part(v.detach()) if isinstance(v, torch.Tensor) else None
+        return v.detach() if isinstance(v, torch.Tensor) else None
 
 
 class OptStateTracker:

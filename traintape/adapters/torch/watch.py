@@ -82,6 +82,7 @@ import torch
 from torch import nn
 
 from traintape.adapters.torch import stats as S
+from traintape.adapters.torch.dist import counts_here, full, is_dtensor, local
 from traintape.adapters.torch.host import canonical_host_copy, host_copy, numpy_dtype_name
 from traintape.adapters.torch.names import (
     ActivationSite,
@@ -92,6 +93,7 @@ from traintape.adapters.torch.names import (
     model_layout,
 )
 from traintape.adapters.torch.opt_state import OptStateTracker
+from traintape.core.group import merge_over
 from traintape.core.naming import NameMap
 from traintape.core.recorder import KindRows, Recorder
 from traintape.schema import Kind, TensorSpec
@@ -156,6 +158,7 @@ class WatchHandle:
         self.optimizer = None if optimizer is None else unwrap_optimizer(optimizer)
         optimizer = self.optimizer
         self.step_index = int(start_step)
+        self._rank = recorder.group.index
         self.probe = probe
         self.micro_batches = 0
         self._handles: list[Any] = []
@@ -186,7 +189,7 @@ class WatchHandle:
         )
         self._declare_params()
         # per-step device state: raw stat blocks per kind (merged at the step's end)
-        self._pending: dict[Kind, list[tuple[list[str], torch.Tensor]]] = {}
+        self._pending: dict[Kind, list[tuple[list[str], torch.Tensor, list[bool]]]] = {}
         self._snaps: dict[Kind, dict[str, np.ndarray]] = {}
         self._theta: list[torch.Tensor] | None = None
         self._act_raw: dict[str, torch.Tensor] = {}
@@ -338,8 +341,21 @@ class WatchHandle:
         self._end()
 
     # ---------------------------------------------------------------- step logic
-    def _add(self, kind: Kind, names: list[str], raw: torch.Tensor) -> None:
-        self._pending.setdefault(kind, []).append((names, raw))
+    def _add(
+        self, kind: Kind, names: list[str], raw: torch.Tensor, here: list[bool] | None = None
+    ) -> None:
+        """Stash raw rows of ``names``; ``here``: whether each row enters the merge over
+        processes from this one (default: every row — its part of the global batch)."""
+        self._pending.setdefault(kind, []).append((names, raw, here or [True] * len(names)))
+
+    def _shard(self, e: ParamEntry, t: torch.Tensor | None) -> tuple[torch.Tensor | None, bool]:
+        """What this process reduces of ``t`` (``e``'s tensor, source layout) and whether
+        it counts in the merge over processes (:func:`~traintape.adapters.torch.dist.counts_here`).
+        A row block of a sharded tensor is cut from the whole one (a collective)."""
+        if t is not None and is_dtensor(t) and e.rows is not None:
+            return e.part(full(t)), self._rank == 0
+        x = local(t)
+        return (None if x is None else e.part(x)), counts_here(t, self._rank)
 
     def _boundary(self) -> None:
         """Start step ``step_index`` before its first forward pass: reset the per-step
@@ -361,11 +377,16 @@ class WatchHandle:
         t, rec = self.step_index, self.rec
         if not entries or not rec.wants(t, Kind.PARAM):
             return
-        tensors = [e.part(e.tensor()) for e in entries]
-        self._add(Kind.PARAM, [e.name for e in entries], S.raw_stats(tensors))
+        shards = [self._shard(e, e.tensor().detach()) for e in entries]
+        self._add(
+            Kind.PARAM,
+            [e.name for e in entries],
+            S.raw_stats([x for x, _ in shards]),
+            [h for _, h in shards],
+        )
         if rec.policy.snapshots(t, Kind.PARAM):
             self._snaps.setdefault(Kind.PARAM, {}).update(
-                {e.name: host_copy(e.canonical(e.tensor())) for e in entries}
+                {e.name: host_copy(e.canonical(full(e.tensor().detach()))) for e in entries}
             )
 
     def _copy_theta(self) -> None:
@@ -373,11 +394,11 @@ class WatchHandle:
         if not self.train_entries or not self.rec.wants(self.step_index, Kind.UPDATE):
             self._theta = None
             return
-        live = self._unique_train_tensors()
+        live = [local(p.detach()) for p in self._unique_train_tensors()]
         with torch.no_grad():
             if self._theta is None or len(self._theta) != len(live):
                 self._theta = [torch.empty_like(p) for p in live]
-            torch._foreach_copy_(self._theta, [p.detach() for p in live])
+            torch._foreach_copy_(self._theta, live)
 
     def _unique_train_tensors(self) -> list[torch.Tensor]:
         seen: dict[int, torch.Tensor] = {}
@@ -406,15 +427,17 @@ class WatchHandle:
         t = self.step_index
         if not self.train_entries or not self.rec.wants(t, Kind.GRAD):
             return
-        grads = []
-        for e in self.train_entries:
-            g = e.tensor().grad
-            grads.append(None if g is None else e.part(g))
-        self._add(Kind.GRAD, [e.name for e in self.train_entries], S.raw_stats(grads))
+        shards = [self._shard(e, e.tensor().grad) for e in self.train_entries]
+        self._add(
+            Kind.GRAD,
+            [e.name for e in self.train_entries],
+            S.raw_stats([x for x, _ in shards]),
+            [h for _, h in shards],
+        )
         if self.rec.policy.snapshots(t, Kind.GRAD):
             self._snaps[Kind.GRAD] = {
-                e.name: canonical_host_copy(e, g, e.tensor().dtype)
-                for e, g in zip(self.train_entries, grads, strict=True)
+                e.name: canonical_host_copy(e, _part(e, full(e.tensor().grad)), e.tensor().dtype)
+                for e in self.train_entries
             }
 
     def _updates(self) -> None:
@@ -423,15 +446,21 @@ class WatchHandle:
             return
         live = self._unique_train_tensors()
         with torch.no_grad():
-            diff = torch._foreach_sub([p.detach() for p in live], self._theta)
-        by_id = {id(p): d for p, d in zip(live, diff, strict=True)}
-        ups = [e.part(by_id[id(e.tensor())]) for e in self.train_entries]
-        self._add(Kind.UPDATE, [e.name for e in self.train_entries], S.raw_stats(ups))
+            diff = torch._foreach_sub([local(p.detach()) for p in live], self._theta)
+        # a sharded parameter's difference is a shard too: the same placements
+        by_id = {id(p): _like(p, d) for p, d in zip(live, diff, strict=True)}
+        shards = [self._shard(e, by_id[id(e.tensor())]) for e in self.train_entries]
+        self._add(
+            Kind.UPDATE,
+            [e.name for e in self.train_entries],
+            S.raw_stats([x for x, _ in shards]),
+            [h for _, h in shards],
+        )
         if self.rec.policy.snapshots(t, Kind.UPDATE):
-            self._snaps[Kind.UPDATE] = {
-                e.name: canonical_host_copy(e, u, u.dtype)
-                for e, u in zip(self.train_entries, ups, strict=True)
-            }
+            self._snaps[Kind.UPDATE] = {}
+            for e in self.train_entries:
+                u = _part(e, full(by_id[id(e.tensor())]))
+                self._snaps[Kind.UPDATE][e.name] = canonical_host_copy(e, u, e.tensor().dtype)
 
     def _opt_state(self) -> None:
         """``opt_state`` after step t: parameter-shaped ``optimizer.state`` tensors."""
@@ -441,12 +470,18 @@ class WatchHandle:
         leaves = opt.leaves(self.rec)
         if not leaves:
             return
-        parts = [leaf.read(opt.optimizer) for leaf in leaves]
-        self._add(Kind.OPT_STATE, [leaf.name for leaf in leaves], S.raw_stats(parts))
+        wholes = [leaf.whole(opt.optimizer) for leaf in leaves]
+        shards = [self._shard(leaf.entry, v) for leaf, v in zip(leaves, wholes, strict=True)]
+        self._add(
+            Kind.OPT_STATE,
+            [leaf.name for leaf in leaves],
+            S.raw_stats([x for x, _ in shards]),
+            [h for _, h in shards],
+        )
         if self.rec.policy.snapshots(t, Kind.OPT_STATE):
             self._snaps[Kind.OPT_STATE] = {
-                leaf.name: canonical_host_copy(leaf.entry, v, leaf.dtype)
-                for leaf, v in zip(leaves, parts, strict=True)
+                leaf.name: canonical_host_copy(leaf.entry, _part(leaf.entry, full(v)), leaf.dtype)
+                for leaf, v in zip(leaves, wholes, strict=True)
             }
 
     def _reduce_activations(self) -> None:
@@ -514,15 +549,17 @@ class WatchHandle:
         snaps, self._snaps = self._snaps, {}
         self._act_raw = {}
         t = self.step_index
-        blocks = [(k, names, m) for k, parts in pending.items() for names, m in parts]
+        blocks = [(k, names, m, h) for k, parts in pending.items() for names, m, h in parts]
         if blocks:
-            mats = [m for _, _, m in blocks]
+            mats = [m for _, _, m, _ in blocks]
             if len({m.device for m in mats}) > 1:
                 mats = [m.cpu() for m in mats]
             raw = S.to_host(torch.cat(mats) if len(mats) > 1 else mats[0])
+            # several processes: exact global rows (every process makes this call here)
+            raw = merge_over(self.rec.group, raw, np.concatenate([h for *_, h in blocks]))
             rows: dict[Kind, tuple[list[str], list[np.ndarray]]] = {}
             start = 0
-            for (k, names, _), m in zip(blocks, mats, strict=True):
+            for (k, names, _, _), m in zip(blocks, mats, strict=True):
                 kn, kv = rows.setdefault(k, ([], []))
                 kn.extend(names)
                 kv.append(raw[start : start + m.shape[0]])
@@ -533,6 +570,22 @@ class WatchHandle:
             )
         self.step_index = t + 1
         self._boundary()
+
+
+def _part(e: ParamEntry, t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else e.part(t)
+
+
+def _like(p: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """``d`` (this rank's part of a tensor shaped like ``p``) as a DTensor placed like
+    ``p`` when ``p`` is one, else ``d``."""
+    if not is_dtensor(p):
+        return d
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        d, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
 
 
 def callback_watch_kwargs(owner: str, kwargs: dict[str, Any]) -> dict[str, Any]:

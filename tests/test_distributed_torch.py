@@ -1,0 +1,102 @@
+"""torch DDP and FSDP2 (``fully_shard``) with 2 ranks on a gloo process group on
+127.0.0.1: every rank runs the same code with the same store URL; the one store equals
+the single-process store of the same model and global batch, and its gradient norm is
+``clip_grad_norm_``'s total norm (not a shard's)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import traintape
+from traintape import Kind, open_run
+from traintape.analysis import compare
+
+SCRIPT = str(Path(__file__).with_name("_dist_torch.py"))
+STEPS = 4
+KINDS = (Kind.PARAM, Kind.GRAD, Kind.UPDATE, Kind.ACTIVATION, Kind.OPT_STATE)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _job(world: int, url: str, mode: str, *extra: str) -> list[subprocess.CompletedProcess]:
+    """Start ``world`` ranks, wait for all, stop leftovers by PID."""
+    port = str(_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, SCRIPT, str(r), str(world), port, url, mode, str(STEPS), *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        for r in range(world)
+    ]
+    out = []
+    try:
+        for p in procs:
+            stdout, _ = p.communicate(timeout=240)
+            out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> str:
+    url = str(tmp_path_factory.mktemp("ref") / "one")
+    r = _job(1, url, "single")[0]
+    assert r.returncode == 0, r.stdout[-3000:]
+    return url
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_two_ranks_one_store_equal_to_single_process(tmp_path, reference, mode):
+    url = str(tmp_path / mode)
+    results = _job(2, url, mode)
+    for r, res in enumerate(results):
+        assert res.returncode == 0, f"rank {r}:\n{res.stdout[-3000:]}"
+    assert "rank 0: done, wrote 4 rows" in results[0].stdout
+    assert "rank 1: done, wrote 0 rows" in results[1].stdout
+    assert traintape.validate(url).ok
+    run, ref = open_run(url), open_run(reference)
+    assert list(run.steps) == list(range(STEPS))
+    for kind in KINDS:
+        assert run.tensor_names(kind) == ref.tensor_names(kind), kind  # no wrapper prefixes
+        np.testing.assert_allclose(
+            run.stats_array(kind), ref.stats_array(kind), rtol=2e-5, atol=1e-6, err_msg=kind
+        )
+        if kind == Kind.ACTIVATION:
+            continue  # no probe: activation snapshots are not taken
+        for name in run.tensor_names(kind):  # whole tensors, assembled from the shards
+            np.testing.assert_allclose(
+                run.snapshot(name, kind, 2), ref.snapshot(name, kind, 2), rtol=2e-5, atol=1e-6
+            )
+    assert compare(url, reference, strict=True).identical
+    # the recorded global gradient norm is clip_grad_norm_'s total norm, on every rank
+    grad = run.stats_array(Kind.GRAD)[:, :, run.manifest.stat_names.index("l2")]
+    total = np.sqrt((grad**2).sum(axis=1))
+    for r in range(2):
+        clip = json.loads(Path(f"{url}.clip{r}.json").read_text())
+        np.testing.assert_allclose(total, clip, rtol=1e-5)
+
+
+def test_a_rank_killed_mid_run_leaves_a_valid_store(tmp_path):
+    url = str(tmp_path / "killed")
+    results = _job(2, url, "fsdp2", "2")  # rank 1 dies at step 2, after a flush
+    assert results[1].returncode == 9, results[1].stdout[-2000:]
+    rep = traintape.validate(url)
+    assert rep.ok, rep
+    run = open_run(url)
+    assert list(run.steps) == [0, 1]
+    assert np.isfinite(run.stats_array(Kind.GRAD)).all()
