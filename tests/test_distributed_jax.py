@@ -39,8 +39,11 @@ def _job(n: int, url: str, *extra: str) -> list[subprocess.CompletedProcess]:
     procs = [
         subprocess.Popen(
             [sys.executable, SCRIPT, str(i), str(n), port, url, str(STEPS), *extra],
-            env=_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
+            env=_env(2),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for i in range(n)
     ]
     out = []

@@ -35,8 +35,10 @@ def _job(world: int, url: str, mode: str, *extra: str) -> list[subprocess.Comple
     procs = [
         subprocess.Popen(
             [sys.executable, SCRIPT, str(r), str(world), port, url, mode, str(STEPS), *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for r in range(world)
     ]
     out = []
