@@ -186,6 +186,8 @@ def train_linen(
     variables = linen_variables(S.initial_weights(model_name, dtype))
     params, stats = variables["params"], variables.get("batch_stats")
     x, y = S.batches(model_name, dtype)
+    if jax.process_count() > 1:
+        params, stats, x, y = data_parallel(jax, params, stats, x, y)
     with recorder(url, model_name) as rec:
         tx = ttj.watch(_tx(optimizer), rec)
 
@@ -207,6 +209,27 @@ def train_linen(
         for t in range(steps):
             params, stats, opt_state = step(params, stats, opt_state, x[t], y[t])
         jax.block_until_ready(params)
+
+
+def data_parallel(jax: Any, params: Any, stats: Any, x: Any, y: Any) -> tuple:
+    """Under ``jax.distributed``: a ("data",) mesh over every process's devices, the
+    parameters (and batch statistics) replicated, every batch split over "data" — global
+    arrays each process builds from its own copy of the data (no host transfer between
+    processes). Returns ``(params, stats, xs, ys)`` with ``xs[t]``/``ys[t]`` batch t."""
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+
+    def put(a: Any, spec: Any) -> Any:
+        a = np.asarray(a)
+        return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda i: a[i])
+
+    rep = lambda t: None if t is None else jax.tree.map(lambda a: put(a, P()), t)  # noqa: E731
+    xs = [put(b, P("data")) for b in x]
+    ys = [put(b, P("data")) for b in y]
+    return rep(params), rep(stats), xs, ys
 
 
 def train(

@@ -109,6 +109,7 @@ def train(
     mutate: Callable[[nn.Module], None] | None = None,
     boundaries: str = "step",
     optimizer: str = "sgd",
+    parallel: str | None = None,
 ) -> None:
     """Train ``model_name`` for ``steps`` SGD-momentum steps, recording into ``url``.
 
@@ -118,6 +119,8 @@ def train(
     t's forward pass, as Keras and JAX record it (a test checks the two stores agree).
     ``weights`` (default :func:`conformance.spec.initial_weights`)
     and ``mutate`` (called on the loaded model) exist for the negative controls.
+    ``parallel`` (``'ddp'`` or ``'fsdp2'``, in an initialised process group): the model is
+    wrapped and each rank trains on its rows of every batch (:func:`parallelize`).
     """
     import traintape.torch as ttt
     from conformance.policy import recorder
@@ -134,6 +137,9 @@ def train(
     if mutate is not None:
         mutate(model)
     x, y = S.batches(model_name, dtype)
+    rows = slice(None)
+    if parallel is not None:
+        model, rows = parallelize(model, parallel)
     if optimizer == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=S.LR, momentum=S.MOMENTUM)
     elif optimizer == "adam":
@@ -152,9 +158,34 @@ def train(
         model.train()
         for t in range(steps):
             opt.zero_grad()
-            out = model(torch.from_numpy(x[t]))
-            loss = F.mse_loss(out, torch.from_numpy(y[t]))
+            out = model(torch.from_numpy(x[t][rows]))
+            loss = F.mse_loss(out, torch.from_numpy(y[t][rows]))
             loss.backward()
             opt.step()
             if hooked is None:
                 handle.step()
+
+
+def parallelize(model: nn.Module, how: str) -> tuple[nn.Module, slice]:
+    """Wrap ``model`` for the initialised process group (``'ddp'``:
+    ``DistributedDataParallel``; ``'fsdp2'``: ``fully_shard`` on every child with
+    parameters, then the root) and return it with this rank's rows of a batch (the mean
+    loss over them, averaged over ranks, is the global batch's)."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per = S.BATCH // world
+    rows = slice(rank * per, (rank + 1) * per)
+    if how == "ddp":
+        return nn.parallel.DistributedDataParallel(model), rows
+    if how == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for child in model.children():
+            if any(True for _ in child.parameters()):
+                fully_shard(child, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, rows
+    raise ValueError(f"parallel: {how!r} (use 'ddp' or 'fsdp2')")
