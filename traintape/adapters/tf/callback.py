@@ -29,6 +29,7 @@ from traintape.schema import Kind
 from .activations import ActivationCapture
 from .names import model_entries
 from .optimizer import observe_optimizer, observer, unobserve_optimizer
+from .strategy import refuse_replicas
 
 
 class Callback(keras.callbacks.Callback):
@@ -70,6 +71,7 @@ class Callback(keras.callbacks.Callback):
     def on_train_begin(self, logs: Any = None) -> None:
         model = self.model
         rec = self.recorder
+        refuse_replicas("traintape.keras.Callback", getattr(model, "distribute_strategy", None))
         rec.set_producer(framework="tensorflow", framework_version=tf.__version__,
                          adapter="traintape.keras")  # fmt: skip
         opt = model.optimizer

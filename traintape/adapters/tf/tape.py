@@ -33,6 +33,7 @@ from traintape.schema import Kind
 from .activations import capture_for
 from .capture import Group, declare, emit
 from .optimizer import observe_optimizer, observer
+from .strategy import refuse_replicas
 
 _COUNTERS: dict[int, tuple[Recorder, tf.Variable]] = {}
 
@@ -74,6 +75,7 @@ class GradientTape(tf.GradientTape):
         persistent: bool = False,
         watch_accessed_variables: bool = True,
     ) -> None:
+        refuse_replicas("traintape.tf.GradientTape")
         super().__init__(persistent=persistent, watch_accessed_variables=watch_accessed_variables)
         self._tt_rec = recorder
         self._tt_model = model

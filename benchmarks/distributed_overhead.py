@@ -1,0 +1,184 @@
+"""Multi-process capture: per-process stats overhead and snapshot write throughput.
+
+Runs itself as 2 processes (torch ``gloo`` on 127.0.0.1, one thread each) holding an MLP
+sharded with FSDP2 (``fully_shard``; parameters, gradients are DTensors). In each process,
+interleaved in rounds (``_common.py``; both processes run the same schedule, so the
+collectives line up):
+
+(a) stats, per process, caches flushed before each call:
+    - ``floor``: one plain ``sum`` pass over the local shards of params + grads;
+    - ``stats_local``: the adapter's raw rows of those shards (``stats.raw_stats``);
+    - ``stats_merged``: the same plus the exact merge over processes
+      (``core.group.merge_over``: one all_gather of the raw rows) — what
+      ``traintape.torch.watch`` does per captured step under FSDP2.
+    Target: the same ≤ 2x floor as single-process capture.
+(b) full-snapshot write throughput, aggregate over the 2 processes, each step durable:
+    - ``raw``: every process writes its local shards with ``numpy.tofile`` + fsync (the
+      aggregate disk bandwidth of 2 writers);
+    - ``traintape``: the snapshot step as the adapter does it — ``full_tensor()`` of every
+      parameter on every process, ``Recorder.record_raw`` with snapshots (process 0 writes
+      the store), ``flush()``. Both variants end with a barrier: the time is the job's.
+    Target: ≥ 0.8x raw.
+
+Usage: python benchmarks/distributed_overhead.py [--rounds 8] [--reps 3] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+SIZES = [1024, 2048, 2048, 1024, 10]
+QUICK = [64, 128, 10]
+
+
+def child(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: str) -> None:
+    import itertools
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from _common import Timings, interleave, repeat, time_kernels
+    from torch import nn
+
+    import traintape
+    from traintape.adapters.torch import stats as S
+    from traintape.adapters.torch.dist import counts_here, local
+    from traintape.core.group import merge_over
+
+    torch.set_num_threads(1)
+    os.environ["TRAINTAPE_FUSED_THREADS"] = "1"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)  # fmt: skip
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    sizes = QUICK if args.quick else SIZES
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for a, b in itertools.pairwise(sizes):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    model = nn.Sequential(*layers[:-1])
+    mesh = init_device_mesh("cpu", (world,))
+    for m in model:
+        if isinstance(m, nn.Linear):
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    x = torch.randn(64, sizes[0])
+    model(x).square().mean().backward()
+    params = list(model.parameters())
+    grads = [p.grad for p in params]
+    shards = [local(t) for t in params + grads]
+    here = np.array([counts_here(t, rank) for t in params + grads])
+    n_global = sum(p.numel() for p in params)
+    from traintape.core.group import detect
+
+    group = detect()
+    assert group.count == world
+
+    def floor() -> float:
+        with torch.no_grad():
+            return sum(float(t.sum()) for t in shards)
+
+    def stats_local() -> None:
+        S.to_host(S.raw_stats(shards))
+
+    def stats_merged() -> None:
+        merge_over(group, S.to_host(S.raw_stats(shards)), here)
+
+    k = time_kernels(
+        {"floor": floor, "stats_local": stats_local, "stats_merged": stats_merged},
+        args.rounds, args.reps,
+    )  # fmt: skip
+
+    # (b) snapshot throughput
+    d = os.path.join(out_dir, f"rank{rank}")
+    os.makedirs(d, exist_ok=True)
+    names = [f"p{i}" for i in range(len(params))]
+    url = os.path.join(out_dir, "store")
+    pol = traintape.CapturePolicy(full_every=1, kinds=("param",), snapshot_kinds=("param",))
+    rec = traintape.Recorder(url, pol)
+    rec.declare([
+        traintape.TensorSpec.build(n, "param", dtype="float32", shape=list(p.shape))
+        for n, p in zip(names, params, strict=True)
+    ])  # fmt: skip
+    step = [0]
+    raw_rows = S.to_host(S.raw_stats([local(p) for p in params]))
+
+    def traintape_step() -> None:
+        snaps = {n: p.full_tensor().detach().numpy() for n, p in zip(names, params, strict=True)}
+        rec.record_raw(step[0], "param", raw_rows, names=names, snapshots=snaps)
+        step[0] += 1
+        rec.log(step[0], tick=1.0)  # seals the step: it is committed by flush()
+        rec.flush()
+        dist.barrier()
+
+    def raw_step() -> None:
+        for i, p in enumerate(params):
+            path = os.path.join(d, f"raw_{i}.bin")
+            with open(path, "wb") as f:
+                local(p).detach().numpy().tofile(f)
+                f.flush()
+                os.fsync(f.fileno())
+        dist.barrier()
+
+    traintape_step()  # creates the snapshot arrays: setup, not throughput
+    w = interleave({"raw": repeat("raw", raw_step, 1), "traintape": repeat("traintape",
+                   traintape_step, 1)}, args.rounds, Timings())  # fmt: skip
+    rec.close()
+    if rank == 0:
+        fl, lo, me = k.median("floor"), k.median("stats_local"), k.median("stats_merged")
+        print(f"FSDP2 MLP {sizes}: {n_global / 1e6:.2f}M params, {world} processes, 1 thread each")
+        print(f"(a) per process (its shards, {sum(s.numel() for s in shards) / 1e6:.2f}M "
+              f"elements): floor {fl:.2f} ms, stats {lo:.2f} ms ({lo / fl:.2f}x floor), "
+              f"stats + merge over processes {me:.2f} ms ({me / fl:.2f}x floor; "
+              f"{k.ratio('stats_merged', 'floor'):.2f}x paired) — target <= 2x")  # fmt: skip
+        nbytes = 4 * n_global
+        r, t = w.median("raw"), w.median("traintape")
+        print(f"(b) full snapshot of {nbytes / 2**20:.1f} MiB per step, durable: raw 2 writers "
+              f"{nbytes / 2**20 / (r / 1e3):.0f} MiB/s ({r:.1f} ms), traintape "
+              f"{nbytes / 2**20 / (t / 1e3):.0f} MiB/s ({t:.1f} ms): {r / t:.2f}x raw "
+              f"(target >= 0.8x)")  # fmt: skip
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--dir", default=None, help="where the stores go (default: a temp dir)")
+    args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.reps = 2, 1
+    if args.child:
+        rank, port, out_dir = args.child
+        child(int(rank), 2, int(port), args, out_dir)
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory(dir=args.dir) as out_dir:
+        extra = ["--quick"] if args.quick else ["--rounds", str(args.rounds), "--reps",
+                                                 str(args.reps)]  # fmt: skip
+        t0 = time.perf_counter()
+        procs = [subprocess.Popen([sys.executable, __file__, *extra, "--child", str(r),
+                                   str(port), out_dir]) for r in range(2)]  # fmt: skip
+        try:
+            codes = [p.wait(timeout=1800) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        print(f"({time.perf_counter() - t0:.0f} s)")
+        sys.exit(max(codes))
+
+
+if __name__ == "__main__":
+    main()
