@@ -15,9 +15,10 @@ collectives line up):
 (b) full-snapshot write throughput, aggregate over the 2 processes, each step durable:
     - ``raw``: every process writes its local shards with ``numpy.tofile`` + fsync (the
       aggregate disk bandwidth of 2 writers);
-    - ``traintape``: the snapshot step as the adapter does it — ``full_tensor()`` of every
-      parameter on every process, ``Recorder.record_raw`` with snapshots (process 0 writes
-      the store), ``flush()``. Both variants end with a barrier: the time is the job's.
+    - ``traintape``: the snapshot step as the adapter does it — every process copies the
+      block it holds (``dist.snapshot_part``), ``Recorder.record_raw`` with those blocks,
+      ``flush()`` (each process writes its blocks; process 0 commits once the other has
+      confirmed its own). Both variants end with a barrier: the time is the job's.
     Target: ≥ 0.8x raw.
 
 Usage: python benchmarks/distributed_overhead.py [--rounds 8] [--reps 3] [--quick]
@@ -48,7 +49,7 @@ def child(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: s
 
     import traintape
     from traintape.adapters.torch import stats as S
-    from traintape.adapters.torch.dist import counts_here, local
+    from traintape.adapters.torch.dist import counts_here, local, snapshot_part
     from traintape.core.group import merge_over
 
     torch.set_num_threads(1)
@@ -111,7 +112,7 @@ def child(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: s
     raw_rows = S.to_host(S.raw_stats([local(p) for p in params]))
 
     def traintape_step() -> None:
-        snaps = {n: p.full_tensor().detach().numpy() for n, p in zip(names, params, strict=True)}
+        snaps = {n: snapshot_part(p, None, rank) for n, p in zip(names, params, strict=True)}
         rec.record_raw(step[0], "param", raw_rows, names=names, snapshots=snaps)
         step[0] += 1
         rec.log(step[0], tick=1.0)  # seals the step: it is committed by flush()

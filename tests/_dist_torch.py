@@ -29,6 +29,10 @@ if mode != "single":
     )
 if mode == "ddp":
     model = nn.parallel.DistributedDataParallel(model)
+elif mode == "fsdp1":
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    model = FullyShardedDataParallel(model, use_orig_params=True, device_id=torch.device("cpu"))
 elif mode == "fsdp2":
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

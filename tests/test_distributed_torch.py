@@ -85,6 +85,13 @@ def test_two_ranks_one_store_equal_to_single_process(tmp_path, reference, mode):
                 run.snapshot(name, kind, 2), ref.snapshot(name, kind, 2), rtol=2e-5, atol=1e-6
             )
     assert compare(url, reference, strict=True).identical
+    if mode == "fsdp2":  # each rank wrote the block it holds: one shard per rank's block
+        meta = json.loads(Path(url, "snapshots/param/0/kernel/zarr.json").read_text())
+        assert meta["chunk_grid"]["configuration"]["chunk_shape"] == [1, 16, 16]
+        shards = sorted(p.name for p in Path(url, "snapshots/param/0/kernel/c/0/0").iterdir())
+        assert shards == ["0", "1"]
+        progress = json.loads(Path(url, ".traintape/progress/1.json").read_text())
+        assert progress["snapshots"]["param"] == 2  # rank 1 confirmed its blocks
     # the recorded global gradient norm is clip_grad_norm_'s total norm, on every rank
     grad = run.stats_array(Kind.GRAD)[:, :, run.manifest.stat_names.index("l2")]
     total = np.sqrt((grad**2).sum(axis=1))
@@ -102,3 +109,10 @@ def test_a_rank_killed_mid_run_leaves_a_valid_store(tmp_path):
     run = open_run(url)
     assert list(run.steps) == [0, 1]
     assert np.isfinite(run.stats_array(Kind.GRAD)).all()
+
+
+def test_fsdp1_is_refused_naming_what_is_supported(tmp_path):
+    results = _job(2, str(tmp_path / "fsdp1"), "fsdp1")
+    for res in results:
+        assert res.returncode != 0
+        assert "FullyShardedDataParallel (FSDP1) is not supported" in res.stdout, res.stdout[-2000:]

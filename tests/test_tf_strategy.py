@@ -17,6 +17,7 @@ SCRIPT = textwrap.dedent(
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     import keras, traintape, traintape.keras, traintape.tf
+    keras.utils.set_random_seed(0)
     url, replicas, how = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     devices = ["/cpu:0", "/cpu:1"][:replicas]
     strategy = tf.distribute.MirroredStrategy(devices)

@@ -156,6 +156,14 @@ def stats_metadata(layout: StoreLayout, kind: str, rows: int, n_tensors: int) ->
     )
 
 
+def _largest_divisor_at_most(n: int, k: int) -> int:
+    """The largest divisor of ``n`` that is at most ``k`` (inner chunks tile a shard)."""
+    for d in range(min(n, k), 0, -1):
+        if n % d == 0:
+            return d
+    return 1
+
+
 def inner_chunk(shape: tuple[int, ...], itemsize: int, target_bytes: int) -> list[int]:
     """Inner chunk of one snapshot: whole trailing axes, leading axes split to fit target."""
     inner = list(shape)
@@ -170,17 +178,30 @@ def inner_chunk(shape: tuple[int, ...], itemsize: int, target_bytes: int) -> lis
 
 
 def snapshot_metadata(
-    layout: StoreLayout, name: str, count: int, shape: tuple[int, ...], dtype: str
+    layout: StoreLayout,
+    name: str,
+    count: int,
+    shape: tuple[int, ...],
+    dtype: str,
+    block: tuple[int, ...] | None = None,
 ) -> dict[str, Any]:
-    """Metadata of a snapshot array ``[snapshot, *shape]``: one shard per snapshot.
+    """Metadata of a snapshot array ``[snapshot, *shape]``: one shard per snapshot, or,
+    with ``block`` (the part each process of a multi-process job writes, see
+    :class:`traintape.core.writer.Part`), one shard per block per snapshot — so no two
+    processes ever write the same shard (file/object).
 
     Dimension names are unique among siblings (``<leaf>_<axis>``) so that xarray's
     DataTree can open a layer group whose kernel and bias differ in shape.
     """
     dt = np.dtype(dtype)
     leaf = split_name(name)[1]
-    inner = inner_chunk(shape, dt.itemsize, layout.snapshot_chunk_bytes)
-    shard = [math.ceil(max(s, 1) / c) * c for s, c in zip(shape, inner, strict=True)]
+    if block is not None:
+        shard = [max(1, b) for b in block]
+        inner = inner_chunk(tuple(shard), dt.itemsize, layout.snapshot_chunk_bytes)
+        inner = [_largest_divisor_at_most(b, c) for b, c in zip(shard, inner, strict=True)]
+    else:
+        inner = inner_chunk(shape, dt.itemsize, layout.snapshot_chunk_bytes)
+        shard = [math.ceil(max(s, 1) / c) * c for s, c in zip(shape, inner, strict=True)]
     return {
         "shape": [count, *shape],
         "data_type": dt.name,

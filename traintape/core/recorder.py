@@ -43,7 +43,7 @@ from traintape.core.registry import TensorRegistry
 from traintape.core.rows import NonfiniteEvents, RowState
 from traintape.core.stats import raw_rows as host_raw_rows
 from traintape.core.store import read_manifest, storage_dtype
-from traintape.core.writer import Snapshot, StoreWriter
+from traintape.core.writer import Part, PartWriter, Snapshot, StoreWriter, clear_progress
 from traintape.schema import (
     N_RAW,
     N_STATS,
@@ -161,6 +161,8 @@ class Recorder:
         self._claim.acquire()  # one writer per store: a live one makes this raise
         try:
             existing = _prepare_location(self.url, clean_leftovers=True)  # as it is now
+            if self.group.count > 1:  # an earlier job's progress must not vouch for ours
+                clear_progress(KvStore(self.url))
             self._open(existing, *args)
         except BaseException:
             self._claim.release()
@@ -185,7 +187,7 @@ class Recorder:
         self._nonfinite = NonfiniteEvents(m.events)
         self._closed = False
         self._sync_hooks = []
-        self._writer = FollowerWriter()  # type: ignore[assignment]
+        self._writer = PartWriter(self.url, self.group.index, m)  # type: ignore[assignment]
 
     def _open(
         self,
@@ -237,6 +239,7 @@ class Recorder:
                 max_pending=max_pending,
                 max_pending_bytes=max_pending_bytes,
                 claim=self._claim,
+                followers=self.group.count - 1,
             )
             if existing is None:
                 self._writer._write_manifest(m.model_copy(deep=True))
@@ -475,7 +478,12 @@ class Recorder:
                 specs = self._tensors.specs(kind)
                 snaps = {}
                 for n in self._tensors.names[kind]:
-                    a = np.asarray(snapshots[n])
+                    v = snapshots[n]
+                    if isinstance(v, Part):
+                        _check_part(specs[n], v, step)
+                        snaps[n] = v
+                        continue
+                    a = np.asarray(v)
                     _check_against_spec(specs[n], a, step)
                     snaps[n] = a
             self._add(step, kind, vecs, snaps, copy=False)
@@ -572,6 +580,11 @@ class Recorder:
                     )
                 shapes[n] = list(a.shape)
             for n, a in snaps.items():
+                if isinstance(a, Part):  # this process's block: the adapter's own copy
+                    target = storage_dtype(np.dtype(a.dtype))
+                    data = a.data if a.data is None else np.asarray(a.data, dtype=target)
+                    owned[n] = Part(data, a.offset, a.shape, a.block, target.name)
+                    continue
                 target = storage_dtype(a.dtype)
                 owned[n] = np.array(a, dtype=target, copy=True) if copy or target != a.dtype else a
             for n, shape in shapes.items():
@@ -664,25 +677,6 @@ class Recorder:
         return f"Recorder({self.url!r}, rows={self._writer.rows_committed})"
 
 
-class FollowerWriter:
-    """The writer of a process other than 0: takes everything, writes nothing."""
-
-    error: BaseException | None = None
-    rows_committed = 0
-
-    def put(self, item: object) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def release_claim(self) -> None:
-        pass
-
-
 @dataclass(frozen=True)
 class KindRows:
     """What an adapter computed for one kind at one step (see :meth:`Recorder.record_step`)."""
@@ -694,6 +688,23 @@ class KindRows:
     """Raw rows ``[len(names), N_RAW]`` float64 (:data:`traintape.schema.stats.RAW_NAMES`)."""
     snapshots: Mapping[str, ArrayLike] | None = None
     """Full tensors by name, canonical layout (full-capture steps)."""
+
+
+def _check_part(spec: TensorSpec, p: Part, step: int) -> None:
+    """A process's block of a snapshot: the whole tensor's shape and dtype are the spec's,
+    and the block lies inside it."""
+    if p.dtype != spec.dtype or list(p.shape) != list(spec.shape):
+        raise RecordError(
+            f"tensor {spec.name!r} ({spec.kind.value}) at step {step}: block of a "
+            f"{p.dtype} {list(p.shape)} tensor, expected {spec.dtype} {spec.shape}"
+        )
+    if p.data is not None and any(
+        o < 0 or o + n > s for o, n, s in zip(p.offset, p.data.shape, p.shape, strict=True)
+    ):
+        raise RecordError(
+            f"tensor {spec.name!r} ({spec.kind.value}) at step {step}: block "
+            f"{list(p.data.shape)} at offset {list(p.offset)} outside {list(p.shape)}"
+        )
 
 
 def _check_against_spec(spec: TensorSpec, a: np.ndarray, step: int) -> None:

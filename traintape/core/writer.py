@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import functools
+import json
 import logging
 import os
 import queue
@@ -30,6 +31,7 @@ import tensorstore as ts
 
 from traintape.core import layout as L
 from traintape.core.claim import WriterClaim
+from traintape.core.errors import StoreError
 from traintape.core.kvstore import KvStore, local_path
 from traintape.core.store import open_array, write_manifest
 from traintape.schema import N_STATS, CommitMark, Kind, Manifest
@@ -47,12 +49,37 @@ class Row:
 
 
 @dataclass
+class Part:
+    """This process's block of a tensor of a multi-process job (canonical layout).
+
+    The snapshot array of such a tensor is sharded by ``block`` (one shard per block per
+    snapshot); each process writes the blocks it holds at ``offset``, process 0 creates and
+    grows the array and commits once every process has confirmed its blocks
+    (:class:`PartWriter`). ``data`` None: this process writes nothing of the tensor (its
+    block is empty, or another process writes the same replicated block).
+    """
+
+    data: np.ndarray | None
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    """Global (whole-tensor) canonical shape."""
+    block: tuple[int, ...]
+    """Shard shape of the array: every process's block lies inside one such shard."""
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.data is None else int(self.data.nbytes)
+
+
+@dataclass
 class Snapshot:
-    """Full tensors of one kind at one step, in canonical layout (owned by the writer)."""
+    """Full tensors of one kind at one step, in canonical layout (owned by the writer):
+    whole arrays, or this process's :class:`Part` of a tensor of a multi-process job."""
 
     step: int
     kind: Kind
-    tensors: dict[str, np.ndarray]
+    tensors: dict[str, np.ndarray | Part]
 
 
 @dataclass
@@ -75,8 +102,13 @@ class StoreWriter:
         max_pending: int,
         max_pending_bytes: int = 1 << 30,
         claim: WriterClaim | None = None,
+        followers: int = 0,
+        followers_timeout: float = 300.0,
     ) -> None:
         self.url = url
+        self.followers = followers  # processes 1..followers write Parts (multi-process job)
+        self.followers_timeout = followers_timeout
+        self._parts_upto: dict[Kind, int] = {}  # snapshots (per kind) holding Parts
         self.kv = KvStore(url)
         self.layout = manifest.layout
         self._manifest_copy = manifest_copy
@@ -126,7 +158,7 @@ class StoreWriter:
         t0 = time.perf_counter()
         stalled = False
         if isinstance(item, Snapshot):
-            nbytes = sum(a.nbytes for a in item.tensors.values())
+            nbytes = sum(int(a.nbytes) for a in item.tensors.values())
             with self._bytes_cond:
                 while (
                     self._pending_bytes > 0
@@ -372,17 +404,26 @@ class StoreWriter:
             self._arrays[sp] = self._open(sp).resize(exclusive_max=[new_cap]).result()
         for name, value in snap.tensors.items():
             path = L.snapshot_path(kind, name)
+            part = value if isinstance(value, Part) else None
             if not self._exists(path):
+                shape = part.shape if part is not None else value.shape
+                dtype = part.dtype if part is not None else value.dtype.name
+                block = part.block if part is not None else None
                 self._create(
-                    path,
-                    L.snapshot_metadata(self.layout, name, new_cap, value.shape, value.dtype.name),
+                    path, L.snapshot_metadata(self.layout, name, new_cap, shape, dtype, block)
                 )
             elif grow or self._open(path).shape[0] < new_cap:
                 arr = self._open(path)
                 self._arrays[path] = arr.resize(
                     exclusive_max=[new_cap, *arr.shape[1:]], expand_only=True
                 ).result()
-            self._pending.append(self._arrays[path][index].write(value))
+            if part is not None:
+                self._parts_upto[kind] = index + 1  # the other processes write theirs
+                if part.data is None:
+                    continue
+                self._pending.append(self._arrays[path][part_index(index, part)].write(part.data))
+            else:
+                self._pending.append(self._arrays[path][index].write(value))
             self._written_bytes += value.nbytes
         self._pending.append(self._arrays[sp][index].write(np.int64(snap.step)))
         self._snap_capacity[kind] = new_cap
@@ -416,6 +457,14 @@ class StoreWriter:
                 futures.append(self._open(L.metric_path(name))[sl].write(col))
         for f in futures:
             f.result()  # durable (file kvstore fsyncs) before the commit mark moves
+        last = rows[-1].step if rows else self.last_step
+        self._wait_for_followers(
+            {
+                kind: bisect.bisect_right(s, last if last is not None else -1)
+                for kind, s in self._snap_steps.items()
+                if kind in self._parts_upto
+            }
+        )
         self._pending.clear()
         self._release_bytes()
         self._rows = []
@@ -440,6 +489,34 @@ class StoreWriter:
         self._write_manifest(m)
         self._last_good = m
         self._last_commit = time.monotonic()
+
+    def _wait_for_followers(self, need: dict[Kind, int]) -> None:
+        """Before a commit mark covers snapshots with :class:`Part` s: wait until every
+        other process has confirmed (its progress key) that its blocks of them are
+        durable. A slow process delays the commit, not training (until the queue fills);
+        one silent for ``followers_timeout`` seconds fails the writer (capture stops
+        loudly; every step committed before stays valid)."""
+        need = {k: n for k, n in need.items() if n > 0}
+        if not self.followers or not need:
+            return
+        deadline = time.monotonic() + self.followers_timeout
+        waiting = set(range(1, self.followers + 1))
+        pause = 0.001
+        while True:
+            for rank in sorted(waiting):
+                done = read_progress(self.kv, rank)
+                if all(done.get(k.value, 0) >= n for k, n in need.items()):
+                    waiting.discard(rank)
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                raise StoreError(
+                    f"{self.url}: process(es) {sorted(waiting)} did not confirm their "
+                    f"snapshot blocks ({ {k.value: n for k, n in need.items()} }) within "
+                    f"{self.followers_timeout:.0f} s; capture stops, committed steps stay valid"
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)  # 1 ms first: a commit waits little for a peer
 
     def _trim(self, m: Manifest, rows: int, last: int | None) -> None:
         """Shrink arrays to exactly what is committed, so plain Zarr readers see no padding."""
@@ -482,3 +559,145 @@ class StoreWriter:
 
     def _write_manifest(self, m: Manifest) -> None:
         write_manifest(self.kv, m)
+
+
+PROGRESS = ".traintape/progress"
+"""Key prefix of the per-process progress records of a multi-process job."""
+
+
+def progress_key(rank: int) -> str:
+    return f"{PROGRESS}/{rank}.json"
+
+
+def read_progress(kv: KvStore, rank: int) -> dict[str, int]:
+    """``{kind: snapshots whose blocks process rank has made durable}`` (empty if none)."""
+    raw = kv.read_bytes(progress_key(rank))
+    if raw is None:
+        return {}
+    try:
+        return {str(k): int(v) for k, v in json.loads(raw)["snapshots"].items()}
+    except (ValueError, KeyError, TypeError):
+        return {}
+
+
+def clear_progress(kv: KvStore) -> None:
+    """Remove every progress record (process 0, when it opens the store: records of an
+    earlier job must not vouch for this one's blocks)."""
+    for k in kv.list(PROGRESS + "/"):
+        kv.delete(k)
+
+
+def part_index(index: int, part: Part) -> tuple[Any, ...]:
+    """The selection of ``part`` in snapshot ``index`` of its array."""
+    assert part.data is not None
+    return (
+        index,
+        *(slice(o, o + n) for o, n in zip(part.offset, part.data.shape, strict=True)),
+    )
+
+
+class PartWriter:
+    """The writer of a process other than 0 in a multi-process job.
+
+    It writes nothing but this process's :class:`Part` s of snapshots, in a background
+    thread: for each snapshot (in the order the recorder hands them over, the same on
+    every process) it waits until process 0 has created or grown the array to hold it,
+    writes its blocks, waits until they are durable, then records its progress
+    (:func:`progress_key`) — what process 0 waits for before committing. Rows, metrics
+    and whole arrays are process 0's and are dropped here. A failure (or process 0 not
+    growing an array within ``timeout`` seconds) stops this writer loudly; the store keeps
+    every step committed before.
+    """
+
+    rows_committed = 0
+
+    def __init__(self, url: str, rank: int, manifest: Manifest, timeout: float = 300.0) -> None:
+        self.url = url
+        self.rank = rank
+        self.kv = KvStore(url)
+        self.timeout = timeout
+        self.error: BaseException | None = None
+        self._store_all: dict[str, Any] = (
+            {"store_data_equal_to_fill_value": True} if manifest.layout.all_chunks_stored else {}
+        )
+        self._count = {k.value: n for k, n in manifest.commit.snapshots.items()}
+        self._arrays: dict[str, ts.TensorStore] = {}
+        self._queue: queue.Queue[Snapshot | _Control] = queue.Queue(maxsize=64)
+        self._thread = threading.Thread(target=self._run, name="traintape-parts", daemon=True)
+        self._thread.start()
+
+    def put(self, item: object) -> None:
+        if isinstance(item, Snapshot) and self.error is None:
+            self._queue.put(item)
+
+    def flush(self, timeout: float | None = None) -> None:
+        self._control("flush", timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        if self._thread.is_alive():
+            self._control("close", timeout)
+            self._thread.join(timeout)
+
+    def release_claim(self) -> None:
+        pass  # holds none: process 0 holds the job's claim
+
+    def _control(self, op: str, timeout: float | None) -> None:
+        if not self._thread.is_alive():
+            return
+        c = _Control(op)
+        self._queue.put(c)
+        c.done.wait(timeout)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if isinstance(item, _Control):
+                item.done.set()
+                if item.op == "close":
+                    return
+                continue
+            if self.error is not None:
+                continue
+            try:
+                self._write(item)
+            except BaseException as e:
+                self.error = e
+                log.error(
+                    "traintape: process %d stopped writing its snapshot blocks to %s: %s: %s",
+                    self.rank, self.url, type(e).__name__, e,
+                )  # fmt: skip
+
+    def _write(self, snap: Snapshot) -> None:
+        kind = snap.kind.value
+        index = self._count.get(kind, 0)
+        futures = []
+        for name, value in snap.tensors.items():
+            if not isinstance(value, Part) or value.data is None:
+                continue
+            arr = self._grown(L.snapshot_path(snap.kind, name), index)
+            futures.append(arr[part_index(index, value)].write(value.data))
+        for f in futures:
+            f.result()  # durable before the progress record says so
+        self._count[kind] = index + 1
+        self.kv.write_json(progress_key(self.rank), {"snapshots": dict(self._count)})
+
+    def _grown(self, path: str, index: int) -> ts.TensorStore:
+        """The array at ``path`` once process 0 has created it with room for ``index``."""
+        arr = self._arrays.get(path)
+        if arr is not None and arr.shape[0] > index:
+            return arr
+        deadline = time.monotonic() + self.timeout
+        pause = 0.001
+        while True:
+            if self.kv.read_bytes(f"{path}/zarr.json") is not None:
+                arr = open_array(self.url, path, **self._store_all)
+                if arr.shape[0] > index:
+                    self._arrays[path] = arr
+                    return arr
+            if time.monotonic() > deadline:
+                raise StoreError(
+                    f"{self.url}: array {path} was not created or grown to hold snapshot "
+                    f"{index} by process 0 within {self.timeout:.0f} s"
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from traintape.core.group import register_detector
+from traintape.core.writer import Part
 
 try:
     from torch.distributed.tensor import DTensor, Partial, Replicate
@@ -89,3 +90,56 @@ def counts_here(t: torch.Tensor | None, rank: int) -> bool:
     if coord is None:  # this rank holds no part of t
         return False
     return all(c == 0 for c, p in zip(coord, t.placements, strict=True) if isinstance(p, Replicate))
+
+
+def snapshot_part(t: torch.Tensor, permutation: tuple[int, ...] | None, rank: int) -> Part | None:
+    """This rank's block of DTensor ``t`` for a snapshot (canonical layout: source axes
+    permuted by ``permutation``), or None when ``t`` is not a DTensor sharded in plain
+    blocks (then the caller assembles the whole tensor with :func:`full`).
+
+    Plain blocks: every mesh dimension is ``Shard(d)`` or ``Replicate()``, no tensor
+    dimension is sharded by two mesh dimensions. Shard ``d`` over ``n`` ranks splits like
+    ``torch.chunk`` (FSDP2): blocks of ``ceil(size/n)`` rows, the last ones shorter or
+    empty — the snapshot array is sharded by that block so no two ranks write one shard.
+    A block replicated over ranks is written by the ranks at coordinate 0 of the
+    ``Replicate`` dimensions only. Decided from the global shape and placements, so every
+    rank decides alike.
+    """
+    from torch.distributed.tensor import Shard
+
+    from traintape.adapters.torch.host import host_copy, numpy_dtype_name
+
+    if not is_dtensor(t):
+        return None
+    sharded: dict[int, int] = {}
+    for i, p in enumerate(t.placements):
+        if isinstance(p, Shard) and type(p) is Shard and p.dim not in sharded:
+            sharded[p.dim] = i
+        elif not isinstance(p, Replicate):
+            return None  # strided/nested shards, Partial: assemble the whole tensor
+    shape = tuple(t.shape)
+    mesh = t.device_mesh
+    coord = mesh.get_coordinate()
+    block, offset = list(shape), [0] * len(shape)
+    for d, i in sharded.items():
+        n = mesh.size(i)
+        block[d] = -(-shape[d] // n)
+        if coord is not None:
+            offset[d] = min(coord[i] * block[d], shape[d])
+    loc = t.to_local().detach()
+    want = [min(b, s - o) for b, s, o in zip(block, shape, offset, strict=True)]
+    if coord is None or list(loc.shape) != want:
+        raise ValueError(
+            f"traintape.torch: local shard of shape {list(loc.shape)} at offset {offset} "
+            f"of a {list(shape)} DTensor {t.placements}; expected {want} (torch.chunk blocks)"
+        )
+    here = counts_here(t, rank) and loc.numel() > 0
+    perm = permutation or tuple(range(len(shape)))
+    canon = loc.permute(perm) if permutation is not None else loc
+    return Part(
+        data=host_copy(canon) if here else None,
+        offset=tuple(offset[i] for i in perm),
+        shape=tuple(shape[i] for i in perm),
+        block=tuple(block[i] for i in perm),
+        dtype=numpy_dtype_name(t.dtype),
+    )

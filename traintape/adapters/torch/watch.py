@@ -82,7 +82,7 @@ import torch
 from torch import nn
 
 from traintape.adapters.torch import stats as S
-from traintape.adapters.torch.dist import counts_here, full, is_dtensor, local
+from traintape.adapters.torch.dist import counts_here, full, is_dtensor, local, snapshot_part
 from traintape.adapters.torch.host import canonical_host_copy, host_copy, numpy_dtype_name
 from traintape.adapters.torch.names import (
     ActivationSite,
@@ -170,6 +170,7 @@ class WatchHandle:
                 "module hooks). Call watch(model, ...) on the plain module first, then "
                 "torch.compile(model)."
             )
+        _refuse_fsdp1(model)
         self.layout: ModelLayout = model_layout(model, name_map)
         pol = recorder.policy
         self.param_entries = [e for e in self.layout.entries if pol.selects(e.name)]
@@ -348,6 +349,17 @@ class WatchHandle:
         processes from this one (default: every row — its part of the global batch)."""
         self._pending.setdefault(kind, []).append((names, raw, here or [True] * len(names)))
 
+    def _snapshot(self, e: ParamEntry, t: torch.Tensor | None, dtype: torch.dtype) -> Any:
+        """Host copy of ``t`` (``e``'s tensor, source layout) for a snapshot, canonical
+        layout: this process's block (:func:`~traintape.adapters.torch.dist.snapshot_part`)
+        of a sharded tensor in a multi-process job — every process writes the blocks it
+        holds — else the whole tensor (a sharded one assembled with ``full_tensor()``)."""
+        if t is not None and e.rows is None and self.rec.group.count > 1:
+            part = snapshot_part(t, e.permutation, self._rank)
+            if part is not None:
+                return part
+        return canonical_host_copy(e, _part(e, full(t)), dtype)
+
     def _shard(self, e: ParamEntry, t: torch.Tensor | None) -> tuple[torch.Tensor | None, bool]:
         """What this process reduces of ``t`` (``e``'s tensor, source layout) and whether
         it counts in the merge over processes (:func:`~traintape.adapters.torch.dist.counts_here`).
@@ -386,7 +398,7 @@ class WatchHandle:
         )
         if rec.policy.snapshots(t, Kind.PARAM):
             self._snaps.setdefault(Kind.PARAM, {}).update(
-                {e.name: host_copy(e.canonical(full(e.tensor().detach()))) for e in entries}
+                {e.name: self._snapshot(e, e.tensor().detach(), e.tensor().dtype) for e in entries}
             )
 
     def _copy_theta(self) -> None:
@@ -436,7 +448,7 @@ class WatchHandle:
         )
         if self.rec.policy.snapshots(t, Kind.GRAD):
             self._snaps[Kind.GRAD] = {
-                e.name: canonical_host_copy(e, _part(e, full(e.tensor().grad)), e.tensor().dtype)
+                e.name: self._snapshot(e, e.tensor().grad, e.tensor().dtype)
                 for e in self.train_entries
             }
 
@@ -459,8 +471,8 @@ class WatchHandle:
         if self.rec.policy.snapshots(t, Kind.UPDATE):
             self._snaps[Kind.UPDATE] = {}
             for e in self.train_entries:
-                u = _part(e, full(by_id[id(e.tensor())]))
-                self._snaps[Kind.UPDATE][e.name] = canonical_host_copy(e, u, e.tensor().dtype)
+                u = by_id[id(e.tensor())]
+                self._snaps[Kind.UPDATE][e.name] = self._snapshot(e, u, e.tensor().dtype)
 
     def _opt_state(self) -> None:
         """``opt_state`` after step t: parameter-shaped ``optimizer.state`` tensors."""
@@ -480,7 +492,7 @@ class WatchHandle:
         )
         if self.rec.policy.snapshots(t, Kind.OPT_STATE):
             self._snaps[Kind.OPT_STATE] = {
-                leaf.name: canonical_host_copy(leaf.entry, _part(leaf.entry, full(v)), leaf.dtype)
+                leaf.name: self._snapshot(leaf.entry, v, leaf.dtype)
                 for leaf, v in zip(leaves, wholes, strict=True)
             }
 
@@ -570,6 +582,22 @@ class WatchHandle:
             )
         self.step_index = t + 1
         self._boundary()
+
+
+def _refuse_fsdp1(model: nn.Module) -> None:
+    """FSDP1 (``FullyShardedDataParallel``) flattens parameters into FlatParameters; the
+    adapter records FSDP2 (``fully_shard``: DTensor parameters under their own names)."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover
+        return
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        raise TypeError(
+            "traintape.torch.watch: FullyShardedDataParallel (FSDP1) is not supported — its "
+            "flat parameters have no per-tensor names or layouts. Use FSDP2 "
+            "(torch.distributed.fsdp.fully_shard), which traintape records with exact global "
+            "statistics, or DistributedDataParallel."
+        )
 
 
 def _part(e: ParamEntry, t: torch.Tensor | None) -> torch.Tensor | None:
