@@ -58,7 +58,9 @@ def _store_problem(run: str) -> tuple[str, str | None] | None:
     if not os.path.isdir(path):
         return f"{path} is a file, not a run directory", "a run is the directory a Recorder wrote"
     if not os.path.exists(os.path.join(path, "zarr.json")):
-        inner = _find_stores(path, depth=2)
+        from traintape.core.catalog import find_stores
+
+        inner = find_stores(path, depth=2)
         if inner:
             shown = ", ".join(os.path.relpath(x, path) for x in inner[:5])
             more = f" and {len(inner) - 5} more" if len(inner) > 5 else ""
@@ -324,27 +326,6 @@ def _human(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def _find_stores(root: str, depth: int = 3) -> list[str]:
-    out = []
-    root = os.path.abspath(root)
-    base = root.rstrip(os.sep).count(os.sep)
-    for d, dirs, files in os.walk(root):
-        if "zarr.json" in files:
-            try:
-                with open(os.path.join(d, "zarr.json"), encoding="utf-8") as f:
-                    meta = json.load(f)
-            except (OSError, ValueError):
-                meta = {}
-            if isinstance(meta.get("attributes"), dict) and "traintape" in meta["attributes"]:
-                out.append(d)
-                dirs[:] = []
-                continue
-        if d.count(os.sep) - base >= depth:
-            dirs[:] = []
-        dirs.sort()
-    return out
-
-
 def _ls_row(path: str, open_run: Callable[[str], Any]) -> dict[str, Any]:
     """One row of ``ls``: the run's summary, or its path and error if it cannot be read."""
     try:
@@ -365,6 +346,13 @@ def _ls_row(path: str, open_run: Callable[[str], Any]) -> dict[str, Any]:
     }
 
 
+def _rel(path: str, root: str) -> str:
+    """``path`` relative to ``root`` (a directory or a URL prefix) for display."""
+    if "://" in root and not root.startswith("file://"):
+        return path[len(root.rstrip("/")) + 1 :].rstrip("/") or "."
+    return os.path.relpath(path, root)
+
+
 @app.command("ls")
 def ls_runs(
     directory: str = typer.Argument(".", help="directory to search (3 levels deep)"),
@@ -372,16 +360,21 @@ def ls_runs(
 ) -> None:
     """List the runs under DIR: steps, framework, size, status."""
     from traintape.core import open_run
+    from traintape.core.catalog import find_stores
 
-    if not os.path.exists(directory):
+    remote = "://" in directory and not directory.startswith("file://")
+    if not remote and not os.path.exists(directory):
         _fail(f"no such directory: {directory}")
-    if not os.path.isdir(directory):
+    if not remote and not os.path.isdir(directory):
         _fail(f"{directory} is a file, not a directory", "`traintape show RUN` shows one run")
     rows = []
-    found = _find_stores(directory)
+    try:
+        found = find_stores(directory)
+    except Exception as e:  # unreachable endpoint, no such bucket, no credentials
+        _fail(f"cannot list {directory}: {e}")
     with _progress("listing runs") as cb:
         for i, path in enumerate(found):
-            cb(os.path.relpath(path, directory), i, len(found))
+            cb(_rel(path, directory), i, len(found))
             rows.append(_ls_row(path, open_run))
         cb("", len(found), len(found))
 
@@ -395,7 +388,7 @@ def ls_runs(
     for x in rows:
         if "error" in x:
             t.add_row(
-                _safe(os.path.relpath(x["path"], directory)),
+                _safe(_rel(x["path"], directory)),
                 "",
                 "",
                 "",
@@ -406,7 +399,7 @@ def ls_runs(
         span = f"{x['rows']} ({x['first_step']}..{x['last_step']})" if x["rows"] else "0"
         color = {"closed": "green", "open": "cyan", "failed": "red"}.get(x["status"], "white")
         t.add_row(
-            _safe(os.path.relpath(x["path"], directory)), span, _safe(x["framework"]),
+            _safe(_rel(x["path"], directory)), span, _safe(x["framework"]),
             _human(x["size_bytes"]), f"[{color}]{_safe(x['status'])}[/{color}]",
             x["updated_at"][:19],
         )  # fmt: skip

@@ -45,12 +45,37 @@ def join(url: str, key: str) -> str:
     return normalize_url(url) + key.strip("/") + "/"
 
 
+def kvstore_spec(url: str, key: str = "") -> str | dict[str, Any]:
+    """The TensorStore kvstore of ``url`` (+ ``key``, a path inside it): the one place a
+    location becomes a kvstore.
+
+    ``s3://bucket/prefix`` takes the standard AWS settings from the environment:
+    endpoint ``$AWS_ENDPOINT_URL_S3`` or ``$AWS_ENDPOINT_URL`` (MinIO, a local test
+    server, any S3-compatible store), region ``$AWS_REGION`` or ``$AWS_DEFAULT_REGION``;
+    credentials come from TensorStore's AWS credential chain (``AWS_ACCESS_KEY_ID`` /
+    ``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, instance metadata). Every other URL
+    (``file://``, ``gs://``, ``memory://``) is TensorStore's own URL syntax.
+    """
+    full = join(url, key) if key else normalize_url(url)
+    if not full.startswith("s3://"):
+        return full
+    bucket, _, path = full[len("s3://") :].partition("/")
+    spec: dict[str, Any] = {"driver": "s3", "bucket": bucket, "path": path}
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        spec["endpoint"] = endpoint
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region:
+        spec["aws_region"] = region
+    return spec
+
+
 class KvStore:
     """Small-object access (JSON documents, listings) to a store's kvstore."""
 
     def __init__(self, url: str) -> None:
         self.url = normalize_url(url)
-        self._kv = ts.KvStore.open(self.url, context=CONTEXT).result()
+        self._kv = ts.KvStore.open(kvstore_spec(self.url), context=CONTEXT).result()
 
     @property
     def kv(self) -> ts.KvStore:

@@ -35,6 +35,7 @@ from traintape.core.errors import (
     CaptureDisabledError,
     RecordError,
     StoreError,
+    TraintapeError,
 )
 from traintape.core.group import ProcessGroup, check_group, detect
 from traintape.core.inputs import check_array, check_metric, check_step, check_user
@@ -133,6 +134,11 @@ class Recorder:
         if self.group.index == 0:
             try:
                 self._open_as_leader(claim_stale_after, *args)
+            except TraintapeError as e:
+                failure = e
+            except Exception as e:  # storage unreachable, no bucket, no credentials, ...
+                failure = StoreError(f"cannot open the store {self.url}: {e}")
+                failure.__cause__ = e
             except BaseException as e:
                 failure = e
         if self.group.count > 1:  # followers learn whether the leader opened the store

@@ -17,13 +17,13 @@ from pydantic import ValidationError
 
 from traintape.core import layout as L
 from traintape.core.errors import NotAStoreError
-from traintape.core.kvstore import CONTEXT, KvStore, join
+from traintape.core.kvstore import CONTEXT, KvStore, kvstore_spec
 from traintape.schema import MANIFEST_ATTR, Manifest, SchemaVersionError, check_readable
 
 
 def array_spec(url: str, path: str, **extra: Any) -> dict[str, Any]:
     """The TensorStore spec of the zarr3 array at ``path`` of the store at ``url``."""
-    return {"driver": "zarr3", "kvstore": join(url, path), **extra}
+    return {"driver": "zarr3", "kvstore": kvstore_spec(url, path), **extra}
 
 
 def open_array(
