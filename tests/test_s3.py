@@ -151,3 +151,19 @@ def test_second_writer_on_a_live_s3_store_is_refused(s3):
     finally:
         first.close()
     assert list(traintape.open_run(url).steps) == [0]
+
+
+def test_rewind_on_s3(s3):
+    url = f"s3://{BUCKET}/runs/rewound"
+    _record(url, steps=6)
+    with traintape.Recorder(url, resume_step=4) as rec:
+        for t in (4, 5, 6):
+            rec.log(t, loss=10.0 + t)
+    run = traintape.open_run(url)
+    assert list(run.steps) == [0, 1, 2, 3, 4, 5, 6]
+    assert list(run.metrics()["loss"].to_numpy()[4:]) == [14.0, 15.0, 16.0]
+    ev = [e for e in run.events() if e.type == "rewind"]
+    ab = traintape.open_run(ev[0].data["abandoned"])
+    assert list(ab.steps) == [4, 5]
+    assert list(ab.metrics()["loss"].to_numpy()) == [1 / 5, 1 / 6]
+    assert traintape.validate(url).ok

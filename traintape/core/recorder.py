@@ -43,7 +43,7 @@ from traintape.core.kvstore import KvStore, local_path, normalize_url
 from traintape.core.registry import TensorRegistry
 from traintape.core.rows import NonfiniteEvents, RowState
 from traintape.core.stats import raw_rows as host_raw_rows
-from traintape.core.store import read_manifest, storage_dtype
+from traintape.core.store import read_manifest, storage_dtype, write_manifest
 from traintape.core.writer import Part, PartWriter, Snapshot, StoreWriter, clear_progress
 from traintape.schema import (
     N_RAW,
@@ -98,6 +98,12 @@ class Recorder:
             policy; process 0 writes the store, the others record into nothing (the
             adapters merge statistics over processes before they reach the recorder).
             If process 0 cannot open the store, every process raises.
+        resume_step: continue an existing run from optimizer step N (a job restarted from
+            its step-N checkpoint): committed steps ``>= N`` are abandoned — copied first
+            to ``<url>/abandoned/<k>`` (readable with ``open_run``), then the commit mark
+            moves back in one write and a ``rewind`` event names the copy
+            (:mod:`traintape.core.rewind`). Recording continues at step N. None (default):
+            append after the last committed step.
     """
 
     def __init__(
@@ -116,6 +122,7 @@ class Recorder:
         user: Mapping[str, Any] | None = None,
         claim_stale_after: float = STALE_AFTER,
         process_group: ProcessGroup | None = None,
+        resume_step: int | None = None,
     ) -> None:
         if flush_every_steps < 1:
             raise ValueError(f"flush_every_steps must be >= 1, got {flush_every_steps}")
@@ -127,6 +134,9 @@ class Recorder:
         self._lock = threading.RLock()  # guards manifest and row state; never held in put()
         self._put_lock = threading.Lock()  # keeps hand-over order; may block on a full queue
         self.group = detect() if process_group is None else check_group(process_group)
+        if resume_step is not None:
+            resume_step = check_step(resume_step)
+        self._resume_step = resume_step
         args = (policy, run_id, producer, flush_every_steps, flush_every_seconds, max_pending,
                 max_pending_bytes, compression, user)  # fmt: skip
         failure: BaseException | None = None
@@ -208,6 +218,13 @@ class Recorder:
         compression: str,
         user: Mapping[str, Any] | None,
     ) -> None:
+        if existing is not None and self._resume_step is not None:
+            from traintape.core.rewind import rewind
+
+            rewound = rewind(self.url, existing, self._resume_step)
+            if rewound is not existing:
+                write_manifest(KvStore(self.url), rewound)  # the one write that flips history
+                existing = rewound
         if existing is not None:
             m = existing
             if policy is not None and policy != m.policy:

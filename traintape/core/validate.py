@@ -244,6 +244,24 @@ class _Checker:
                 origin = [s.start for s in sel]
                 self.problem(f"array {path}: chunk at {origin} is missing ({key})")
 
+    def check_abandoned(self, nodes: set[str]) -> set[str]:
+        """The copies of abandoned histories (``abandoned/<k>``, see
+        :mod:`traintape.core.rewind`): those a ``rewind`` event names are validated as
+        stores of their own; others are left by a rewind killed before its commit.
+        Returns the copies' node paths."""
+        copies = {"/".join(n.split("/")[:2]) for n in nodes if n.startswith("abandoned/")}
+        named = {str(e.data.get("abandoned", "")) for e in self.m.events if e.type == "rewind"}
+        for c in sorted(copies):
+            sub = self.url.rstrip("/") + "/" + c + "/"
+            if sub not in named:
+                self.r.notes.append(
+                    f"{c}: copy of a rewind that never committed; replaced by the next rewind"
+                )
+                continue
+            rep = validate(sub)
+            self.r.problems += [f"{c}: {p}" for p in rep.problems]
+        return copies
+
     def check_orphans(self, expected: set[str]) -> None:
         groups = L.parent_groups(list(expected))
         try:
@@ -252,8 +270,11 @@ class _Checker:
             self.problem(f"cannot list store keys: {_short(e)}")
             return
         nodes = {k[: -len("/zarr.json")] for k in keys if k.endswith("/zarr.json")}
+        copies = self.check_abandoned(nodes)
         for node in sorted(nodes - expected - groups):
             if any(node.startswith(e + "/") for e in expected):
+                continue
+            if node == "abandoned" or any(node.startswith(c + "/") or node == c for c in copies):
                 continue
             if L.is_layout_path(node):
                 self.r.notes.append(
