@@ -166,6 +166,28 @@ def demo(
 
 
 @app.command()
+def doctor(
+    as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+    quick: bool = typer.Option(False, "--quick", help="do not import the frameworks"),
+) -> None:
+    """What this installation can do: frameworks, stats backends, compiler, drivers."""
+    from dataclasses import asdict
+
+    from traintape.doctor import diagnose
+
+    d = diagnose(frameworks=not quick)
+    if as_json:
+        print(json.dumps([asdict(c) for c in d.checks], indent=1))
+        return
+    t = Table("check", "value", "")
+    for c in d.checks:
+        t.add_row(
+            _safe(c.name), _safe(c.value), "" if c.ok else f"[yellow]{_safe(c.detail)}[/yellow]"
+        )
+    console.print(t)
+
+
+@app.command()
 def schema(
     out: Path | None = typer.Option(None, "--out", "-o", help="write to a file instead"),
 ) -> None:
@@ -254,7 +276,7 @@ def _show(r: Any) -> None:
     console.print(
         f"schema {_safe(m.schema_version)} · producer {_safe(p.framework or 'numpy')} "
         f"{_safe(p.framework_version or '')} ({_safe(p.adapter or 'Recorder')}) · traintape "
-        f"{_safe(p.traintape_version)}"
+        f"{_safe(p.traintape_version)} · stats backend {_safe(p.stats_backend or 'not recorded')}"
     )
     steps = r.steps
     span = f"{int(steps[0])}..{int(steps[-1])}" if len(steps) else "none"

@@ -42,6 +42,7 @@ from traintape.core.inputs import check_array, check_metric, check_step, check_u
 from traintape.core.kvstore import KvStore, local_path, normalize_url
 from traintape.core.registry import TensorRegistry
 from traintape.core.rows import NonfiniteEvents, RowState
+from traintape.core.stats import backend as host_backend
 from traintape.core.stats import raw_rows as host_raw_rows
 from traintape.core.store import read_manifest, storage_dtype, write_manifest
 from traintape.core.writer import Part, PartWriter, Snapshot, StoreWriter, clear_progress
@@ -389,6 +390,10 @@ class Recorder:
                 _check_against_spec(specs[n], a, step)
             names = self._tensors.names[kind]
             raw = host_raw_rows([arrays[n] for n in names])
+            if self._manifest.producer.stats_backend is None:
+                self._manifest.producer = self._manifest.producer.model_copy(
+                    update={"stats_backend": host_backend()}
+                )
             snaps = {n: arrays[n] for n in names} if self.policy.snapshots(step, kind) else None
             self._add(step, kind, finalize(raw), snaps, copy=True)
         self._drain()

@@ -44,6 +44,14 @@ class Producer(_Model):
     traintape_version: str
     python_version: str
     hostname: str | None = None
+    stats_backend: str | None = Field(
+        None,
+        description="where the adapter computed the stat rows: 'jax-ffi-c' (traintape's C "
+        "kernel inside the XLA computation), 'xla' (XLA reductions), 'c-openmp' / 'c' "
+        "(traintape's host C kernel), 'numpy' (the numpy reference), 'torch' (torch "
+        "reductions on the tensors' device), 'tf' (TF reductions in the graph); None: not "
+        "recorded (stores before 1.2.0, or records made without an adapter)",
+    )
 
 
 class StoreLayout(_Model):

@@ -9,6 +9,7 @@ model; a store resumed by this build is rewritten in the current version.
 1.1.0       ``forward_order`` is a typed manifest field; ``layer_kind`` is the closed
             set of :data:`~traintape.schema.roles.LayerKind`; canonical name segments
             are at most 200 characters
+1.2.0       ``producer.stats_backend`` (optional; older stores read it as None)
 ==========  ===============================================================
 """
 

@@ -34,8 +34,13 @@ from .names import Leaf, named_leaves
 
 
 def _set_producer(recorder: Recorder) -> None:
+    from .stats import stats_backend
+
     recorder.set_producer(
-        framework="jax", framework_version=jax.__version__, adapter="traintape.jax"
+        framework="jax",
+        framework_version=jax.__version__,
+        adapter="traintape.jax",
+        stats_backend=stats_backend(),
     )
 
 

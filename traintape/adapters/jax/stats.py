@@ -219,6 +219,12 @@ def stats_mode() -> str:
     return mode
 
 
+def stats_backend() -> str:
+    """The ``Producer.stats_backend`` of this process's JAX captures: ``jax-ffi-c`` or
+    ``xla`` (see :func:`stats_mode`)."""
+    return "jax-ffi-c" if stats_mode() == "kernel" else "xla"
+
+
 def device_stats(
     arrays: Sequence[jax.Array],
 ) -> tuple[jax.Array, Callable[[np.ndarray], np.ndarray]]:

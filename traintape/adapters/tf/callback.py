@@ -29,6 +29,7 @@ from traintape.schema import Kind
 from .activations import ActivationCapture
 from .names import model_entries
 from .optimizer import observe_optimizer, observer, unobserve_optimizer
+from .stats import stats_backend
 from .strategy import refuse_replicas
 
 
@@ -73,7 +74,7 @@ class Callback(keras.callbacks.Callback):
         rec = self.recorder
         refuse_replicas("traintape.keras.Callback", getattr(model, "distribute_strategy", None))
         rec.set_producer(framework="tensorflow", framework_version=tf.__version__,
-                         adapter="traintape.keras")  # fmt: skip
+                         adapter="traintape.keras", stats_backend=stats_backend())  # fmt: skip
         opt = model.optimizer
         observe_optimizer(opt, rec, model=model, name_map=self.name_map,
                           kinds=(Kind.PARAM, Kind.GRAD, Kind.UPDATE))  # fmt: skip

@@ -162,6 +162,16 @@ def stat_vector(x: Any) -> np.ndarray:
     return stat_matrix([x])[0]
 
 
+def stats_backend() -> str:
+    """The ``Producer.stats_backend`` of TF captures: the host kernel's
+    (``c-openmp``/``c``, :func:`host_stats_enabled`) or ``tf`` (the op graph)."""
+    if host_stats_enabled():
+        from traintape.core.stats import backend
+
+        return backend()
+    return "tf"
+
+
 def host_stats_enabled() -> bool:
     """Compute raw rows on the host with the fused C kernel (:mod:`traintape.core.stats`)
     instead of the TF op graph: only when the kernel compiled and TF sees no GPU (on

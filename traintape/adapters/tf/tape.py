@@ -33,6 +33,7 @@ from traintape.schema import Kind
 from .activations import capture_for
 from .capture import Group, declare, emit
 from .optimizer import observe_optimizer, observer
+from .stats import stats_backend
 from .strategy import refuse_replicas
 
 _COUNTERS: dict[int, tuple[Recorder, tf.Variable]] = {}
@@ -83,7 +84,7 @@ class GradientTape(tf.GradientTape):
         self._tt_step = step
         self._tt_map = name_map
         recorder.set_producer(framework="tensorflow", framework_version=tf.__version__,
-                              adapter="traintape.tf")  # fmt: skip
+                              adapter="traintape.tf", stats_backend=stats_backend())  # fmt: skip
         self._tt_acts = (
             capture_for(recorder, model, name_map)
             if model is not None and recorder.policy.records_kind(Kind.ACTIVATION)

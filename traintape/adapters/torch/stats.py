@@ -147,6 +147,17 @@ def _large_raw(xs: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
+def stats_backend(device: torch.device | None) -> str:
+    """The ``Producer.stats_backend`` of tensors on ``device``: the host C kernel's
+    (``c-openmp``/``c``) on the CPU when it built, else ``torch`` (torch reductions on the
+    tensors' device)."""
+    if (device is None or device.type == "cpu") and native.fused_available():
+        from traintape.core.stats import backend
+
+        return backend()
+    return "torch"
+
+
 def _fused_ok() -> bool:
     """The host kernel can be used: it compiled, and we are not being traced by
     torch.compile (a numpy call there would break the graph)."""

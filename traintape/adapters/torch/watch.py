@@ -186,7 +186,10 @@ class WatchHandle:
             [s for s in self.layout.activations if pol.selects(s.name)] if activations else []
         )
         recorder.set_producer(
-            framework="torch", framework_version=torch.__version__, adapter=ADAPTER
+            framework="torch",
+            framework_version=torch.__version__,
+            adapter=ADAPTER,
+            stats_backend=S.stats_backend(next((p.device for p in model.parameters()), None)),
         )
         self._declare_params()
         # per-step device state: raw stat blocks per kind (merged at the step's end)
