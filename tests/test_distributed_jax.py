@@ -5,13 +5,13 @@ same code with the same store URL; the one store equals the single-process store
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _procs import free_port, run_all
 
 import traintape
 from traintape import Kind, open_run
@@ -21,12 +21,6 @@ SCRIPT = str(Path(__file__).with_name("_dist_jax.py"))
 STEPS = 4
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env(devices: int) -> dict[str, str]:
     env = dict(os.environ)
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
@@ -34,29 +28,11 @@ def _env(devices: int) -> dict[str, str]:
 
 
 def _job(n: int, url: str, *extra: str) -> list[subprocess.CompletedProcess]:
-    """Start ``n`` processes (one coordinator port), wait for all, stop leftovers by PID."""
-    port = str(_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, SCRIPT, str(i), str(n), port, url, str(STEPS), *extra],
-            env=_env(2),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(n)
-    ]
-    out = []
-    try:
-        for p in procs:
-            stdout, _ = p.communicate(timeout=240)
-            out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return out
+    """Run ``n`` processes (one coordinator port) to the end; leftovers are killed."""
+    port = str(free_port())
+    cmds = [[sys.executable, SCRIPT, str(i), str(n), port, url, str(STEPS), *extra]
+            for i in range(n)]  # fmt: skip
+    return run_all(cmds, env=_env(2))
 
 
 @pytest.fixture(scope="module")

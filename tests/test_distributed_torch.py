@@ -6,13 +6,13 @@ the single-process store of the same model and global batch, and its gradient no
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _procs import free_port, run_all
 
 import traintape
 from traintape import Kind, open_run
@@ -23,35 +23,12 @@ STEPS = 4
 KINDS = (Kind.PARAM, Kind.GRAD, Kind.UPDATE, Kind.ACTIVATION, Kind.OPT_STATE)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _job(world: int, url: str, mode: str, *extra: str) -> list[subprocess.CompletedProcess]:
-    """Start ``world`` ranks, wait for all, stop leftovers by PID."""
-    port = str(_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, SCRIPT, str(r), str(world), port, url, mode, str(STEPS), *extra],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    out = []
-    try:
-        for p in procs:
-            stdout, _ = p.communicate(timeout=240)
-            out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return out
+    """Run ``world`` ranks to the end; leftovers are killed."""
+    port = str(free_port())
+    cmds = [[sys.executable, SCRIPT, str(r), str(world), port, url, mode, str(STEPS), *extra]
+            for r in range(world)]  # fmt: skip
+    return run_all(cmds)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _procs import free_port
 
 import traintape
 from traintape.analysis import compare
@@ -25,15 +25,9 @@ pytestmark = pytest.mark.skipif(
 BUCKET = "traintape-test"
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def endpoint():
-    port = _port()
+    port = free_port()
     proc = subprocess.Popen(
         [str(MOTO), "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -123,7 +117,7 @@ def test_deleted_object_inside_committed_range_fails_validate(s3):
 
 
 def test_unreachable_endpoint_fails_fast_naming_the_url(tmp_path):
-    env = {**os.environ, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{_port()}",
+    env = {**os.environ, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}",
            "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y", "AWS_REGION": "us-east-1",
            "TRAINTAPE_REMOTE_RETRIES": "1"}  # fmt: skip
     code = (

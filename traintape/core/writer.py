@@ -88,7 +88,34 @@ class _Control:
     done: threading.Event = field(default_factory=threading.Event)
 
 
-class StoreWriter:
+class _QueueWorker:
+    """A background thread fed through ``_queue``; :meth:`flush` and :meth:`close` are
+    control messages it answers in order (flush: everything before it is durable; close:
+    the same, then the thread ends)."""
+
+    _thread: threading.Thread
+    _queue: queue.Queue[Any]
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Make everything enqueued so far durable; returns when it is (or failed)."""
+        self._control("flush", timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Make everything durable and finish (the store writer also commits, trims the
+        arrays to their committed size and marks the run closed)."""
+        if self._thread.is_alive():
+            self._control("close", timeout)
+            self._thread.join(timeout)
+
+    def _control(self, op: str, timeout: float | None) -> None:
+        if not self._thread.is_alive():
+            return
+        c = _Control(op)
+        self._queue.put(c)
+        c.done.wait(timeout)
+
+
+class StoreWriter(_QueueWorker):
     """Background writer of one run store. Create through :class:`~traintape.Recorder`."""
 
     def __init__(
@@ -184,23 +211,6 @@ class StoreWriter:
             self._pending_bytes = 0 if everything else self._pending_bytes - self._written_bytes
             self._written_bytes = 0
             self._bytes_cond.notify_all()
-
-    def flush(self, timeout: float | None = None) -> None:
-        """Commit everything enqueued so far; returns when it is durable (or failed)."""
-        self._control("flush", timeout)
-
-    def close(self, timeout: float | None = None) -> None:
-        """Commit everything, trim arrays to their committed size, mark the run closed."""
-        if self._thread.is_alive():
-            self._control("close", timeout)
-            self._thread.join(timeout)
-
-    def _control(self, op: str, timeout: float | None) -> None:
-        if not self._thread.is_alive():
-            return
-        c = _Control(op)
-        self._queue.put(c)
-        c.done.wait(timeout)
 
     # ------------------------------------------------------------------ writer thread
     def _run(self) -> None:
@@ -596,7 +606,7 @@ def part_index(index: int, part: Part) -> tuple[Any, ...]:
     )
 
 
-class PartWriter:
+class PartWriter(_QueueWorker):
     """The writer of a process other than 0 in a multi-process job.
 
     It writes nothing but this process's :class:`Part` s of snapshots, in a background
@@ -630,23 +640,8 @@ class PartWriter:
         if isinstance(item, Snapshot) and self.error is None:
             self._queue.put(item)
 
-    def flush(self, timeout: float | None = None) -> None:
-        self._control("flush", timeout)
-
-    def close(self, timeout: float | None = None) -> None:
-        if self._thread.is_alive():
-            self._control("close", timeout)
-            self._thread.join(timeout)
-
     def release_claim(self) -> None:
         pass  # holds none: process 0 holds the job's claim
-
-    def _control(self, op: str, timeout: float | None) -> None:
-        if not self._thread.is_alive():
-            return
-        c = _Control(op)
-        self._queue.put(c)
-        c.done.wait(timeout)
 
     def _run(self) -> None:
         while True:
