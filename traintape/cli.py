@@ -491,6 +491,7 @@ def anomalies_cmd(
     if as_json:
         _json_out(rep)
         return
+    console.print(f"anomalies: {_safe(rep.summary())}", highlight=False, soft_wrap=True)
     if rep.first_nonfinite is not None:
         a = rep.first_nonfinite
         console.print(

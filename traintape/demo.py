@@ -12,6 +12,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass
@@ -26,6 +27,10 @@ class DemoResult:
     final_accuracy: float
     seconds: float
     events: list[str]
+    """The recorder's events (first NaN/Inf, notes)."""
+    anomalies: str
+    """:meth:`traintape.analysis.AnomalyReport.summary` of the run — the line
+    ``traintape anomalies`` prints first."""
 
 
 def _spirals(n: int, seed: int):
@@ -119,7 +124,14 @@ def run_demo(
         final_accuracy=acc,
         seconds=seconds,
         events=[f"step {e.step}: {e.message}" for e in m.events],
+        anomalies=_anomalies(run).summary(),
     )
+
+
+def _anomalies(run: Any) -> Any:
+    from traintape.analysis import anomalies
+
+    return anomalies(run)
 
 
 def summary(result: DemoResult) -> str:
@@ -129,9 +141,10 @@ def summary(result: DemoResult) -> str:
         f"in {result.seconds:.1f} s",
         f"loss {result.first_loss:.4g} -> {result.final_loss:.4g}, "
         f"final batch accuracy {result.final_accuracy:.2f}",
-        "anomalies: " + ("; ".join(result.events[:5]) if result.events else "none"),
+        f"anomalies: {result.anomalies}",
         "next:",
         f"  traintape show {result.out}",
+        f"  traintape anomalies {result.out}",
         f"  traintape validate {result.out}",
     ]
     return "\n".join(lines)
