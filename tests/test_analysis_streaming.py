@@ -68,3 +68,24 @@ def test_rolling_median_mad_matches_naive_window():
         assert cnt[t] == len(win)
         assert med[t] == pytest.approx(np.median(win))
         assert mad[t] == pytest.approx(np.median(np.abs(win - np.median(win))))
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "csv"])
+def test_export_in_row_blocks_equals_the_whole_table(stores, tmp_path, monkeypatch, fmt):  # noqa: F811
+    import pandas as pd
+
+    import importlib
+
+    export_mod = importlib.import_module("traintape.analysis.export")
+
+    run = traintape.open_run(stores["healthy"])
+    monkeypatch.setattr(export_mod, "BLOCK_VALUES", 7)  # a block of one row or two
+    export_mod.export(run, tmp_path / fmt, fmt)
+    for kind in run.kinds():
+        path = tmp_path / fmt / f"stats_{kind.value}.{fmt}"
+        got = pd.read_parquet(path) if fmt == "parquet" else pd.read_csv(path)
+        want = run.stats(kind)
+        assert len(got) == len(want) > 0
+        np.testing.assert_array_equal(got["step"].to_numpy(), want["step"].to_numpy())
+        assert list(got["tensor"]) == list(want["tensor"])
+        np.testing.assert_allclose(got["l2"].to_numpy(), want["l2"].to_numpy(), rtol=1e-12)

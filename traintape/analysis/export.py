@@ -6,7 +6,8 @@
   ``tensors_<kind>`` (names), ``stat_names`` and ``metric_<name>`` [rows]; with
   ``snapshots=True`` also ``snapshot/<kind>/<name>`` [snapshot, *shape] and their steps.
 
-Stats are read one kind at a time; snapshots one tensor at a time.
+Parquet/CSV stats are streamed in blocks of rows (memory holds one block); NPZ holds a
+kind's stats array at once; snapshots one tensor at a time.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
     from traintape.core.reader import Run
+    from traintape.schema import Kind
 
 Format = Literal["parquet", "csv", "npz"]
 
@@ -80,12 +82,41 @@ def export(
     os.makedirs(out, exist_ok=True)
     for kind in run.kinds():
         tracker.stage(f"{kind.value} stats")
-        written.append(_write_table(run.stats(kind), out, f"stats_{kind.value}", format))
+        written.append(_write_stats(run, kind, out, format))
         tracker.advance()
     tracker.stage("metrics")
     written.append(_write_table(run.metrics().reset_index(), out, "metrics", format))
     tracker.finish()
     return written
+
+
+BLOCK_VALUES = 1 << 20
+"""(row, tensor) pairs per block when streaming a kind's stats to parquet/csv."""
+
+
+def _write_stats(run: Run, kind: Kind, out: str, format: str) -> str:
+    """``stats_<kind>.<format>``: the long table of :meth:`Run.stats`, written block by
+    block of rows (one parquet row group per block), so memory holds one block."""
+    path = os.path.join(out, f"stats_{kind.value}.{format}")
+    per = max(1, BLOCK_VALUES // max(1, len(run.tensor_names(kind))))
+    writer = None
+    try:
+        for start in range(0, max(run.rows, 1), per):
+            df = run.stats(kind, rows=slice(start, min(start + per, run.rows)))
+            if format == "csv":
+                df.to_csv(path, index=False, mode="w" if start == 0 else "a", header=start == 0)
+                continue
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            table = pa.Table.from_pandas(df, preserve_index=False)
+            if writer is None:
+                writer = pq.ParquetWriter(path, table.schema)
+            writer.write_table(table)
+    finally:
+        if writer is not None:
+            writer.close()
+    return path
 
 
 def _write_table(df: pd.DataFrame, out: str, stem: str, format: str) -> str:

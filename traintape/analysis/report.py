@@ -63,22 +63,69 @@ def _fmt(v: float | None) -> str:
     return "–" if v is None else f"{v:.3g}"
 
 
+HEATMAP_ROWS = 96
+"""Most layer rows a heatmap draws (more layers are averaged in consecutive groups)."""
+HEATMAP_COLS = 1200
+"""Most step columns a heatmap draws (more steps are averaged in consecutive bins)."""
+
+
+def _bin_mean(z: np.ndarray, axis: int, most: int) -> tuple[np.ndarray, np.ndarray]:
+    """Mean (NaN-aware) over consecutive groups along ``axis`` so at most ``most``
+    remain; also each group's first index."""
+    n = z.shape[axis]
+    if n <= most:
+        return z, np.arange(n)
+    k = -(-n // most)
+    starts = np.arange(0, n, k)
+    pad = len(starts) * k - n
+    zz = np.moveaxis(z, axis, 0)
+    zz = np.concatenate([zz, np.full((pad, *zz.shape[1:]), np.nan, dtype=zz.dtype)])
+    zz = zz.reshape(len(starts), k, *zz.shape[1:])
+    with np.errstate(all="ignore"), _quiet_nanmean():
+        out = np.nanmean(zz, axis=1)
+    return np.moveaxis(out, 0, axis), starts
+
+
+class _quiet_nanmean:
+    def __enter__(self) -> None:
+        import warnings
+
+        self._w = warnings.catch_warnings()
+        self._w.__enter__()
+        warnings.simplefilter("ignore", RuntimeWarning)
+
+    def __exit__(self, *exc: object) -> None:
+        self._w.__exit__(*exc)
+
+
 def _heatmap(steps: np.ndarray, layers: list[str], values: np.ndarray, title: str) -> str:
+    """log10 of ``values [rows, layer]`` as layer × step; large runs are averaged (in
+    log space) into at most :data:`HEATMAP_ROWS` × :data:`HEATMAP_COLS` cells, so the
+    figure's size and memory do not grow with the run."""
     import matplotlib.pyplot as plt
 
     with np.errstate(all="ignore"):
-        z = np.log10(np.where(values > 0, values, np.nan)).T
-    fig, ax = plt.subplots(figsize=(11, 0.35 * len(layers) + 1.6))
+        z = np.log10(np.where(values > 0, values, np.nan).astype(np.float32)).T
+    z, _ = _bin_mean(z, 1, HEATMAP_COLS)
+    z, first = _bin_mean(z, 0, HEATMAP_ROWS)
+    if len(first) < len(layers):
+        ends = [*(first[1:] - 1), len(layers) - 1]
+        labels = [f"{layers[a]} … {layers[b]}" if b > a else layers[a]
+                  for a, b in zip(first, ends, strict=True)]  # fmt: skip
+        title += f" ({len(layers)} layers in {len(labels)} groups)"
+    else:
+        labels = list(layers)
+    fig, ax = plt.subplots(figsize=(11, 0.35 * len(labels) + 1.6))
     ext = (
-        (float(steps[0]) - 0.5, float(steps[-1]) + 0.5, len(layers) - 0.5, -0.5)
+        (float(steps[0]) - 0.5, float(steps[-1]) + 0.5, len(labels) - 0.5, -0.5)
         if len(steps)
         else None
     )
     im = ax.imshow(
         np.ma.masked_invalid(z), aspect="auto", cmap="viridis", interpolation="nearest", extent=ext
     )
-    ax.set_yticks(range(len(layers)))
-    ax.set_yticklabels(layers, fontsize=8)
+    ax.set_yticks(range(len(labels)))
+    ax.set_yticklabels(labels, fontsize=8)
     ax.set_xlabel("step")
     ax.set_title(title)
     fig.colorbar(im, ax=ax, label="log10")

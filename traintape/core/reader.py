@@ -105,19 +105,23 @@ class Run:
             return np.asarray(arr.read().result())
         return np.asarray(arr.read().result())
 
-    def stats(self, kind: Kind | str, tensors: list[str] | None = None) -> pd.DataFrame:
+    def stats(
+        self, kind: Kind | str, tensors: list[str] | None = None, rows: slice | None = None
+    ) -> pd.DataFrame:
         """Long table: one row per (step, tensor) with a column per stat.
 
         Columns: ``step``, ``tensor``, then :data:`~traintape.schema.STAT_NAMES`. Rows
-        where the kind was not recorded are dropped.
+        where the kind was not recorded are dropped. ``rows``: only these committed rows
+        (a slice of the row axis; to stream a large store block by block).
         """
         kind = Kind(kind)
         names = tensors if tensors is not None else self.tensor_names(kind)
-        data = self.stats_array(kind, tensors)
+        data = self.stats_array(kind, tensors, rows=rows)
+        start = (rows or slice(0, self.rows)).indices(self.rows)[0]
         n_rows, n_t, n_s = data.shape
         df = pd.DataFrame(data.reshape(n_rows * n_t, n_s), columns=list(STAT_NAMES))
         df.insert(0, "tensor", np.tile(np.asarray(names, dtype=object), n_rows))
-        df.insert(0, "step", np.repeat(self.steps[:n_rows], n_t))
+        df.insert(0, "step", np.repeat(self.steps[start : start + n_rows], n_t))
         present = ~np.isnan(data).all(axis=2).reshape(-1)
         return df[present].reset_index(drop=True)
 
