@@ -72,9 +72,9 @@ def test_rolling_median_mad_matches_naive_window():
 
 @pytest.mark.parametrize("fmt", ["parquet", "csv"])
 def test_export_in_row_blocks_equals_the_whole_table(stores, tmp_path, monkeypatch, fmt):  # noqa: F811
-    import pandas as pd
-
     import importlib
+
+    import pandas as pd
 
     export_mod = importlib.import_module("traintape.analysis.export")
 

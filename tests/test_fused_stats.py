@@ -107,6 +107,7 @@ def test_stat_vectors_hook_uses_kernel_and_falls_back(monkeypatch, tmp_path):
     # no compiler: silently the numpy path, same numbers
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("TRAINTAPE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TRAINTAPE_NO_PREBUILT", "1")  # the run-time path: no install build
     native.reset_for_tests()
     try:
         assert not native.fused_available()
@@ -121,6 +122,7 @@ def test_stat_vectors_hook_uses_kernel_and_falls_back(monkeypatch, tmp_path):
 
 def test_compiles_into_fresh_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("TRAINTAPE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRAINTAPE_NO_PREBUILT", "1")  # the run-time build
     native.reset_for_tests()
     try:
         assert native.fused_available()

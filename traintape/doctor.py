@@ -56,7 +56,8 @@ def diagnose(frameworks: bool = True) -> Diagnosis:
     d.add("C compiler", cc or "none", ok=cc is not None,
           detail="" if cc else "set CC; without one the statistics use slower fallbacks")  # fmt: skip
     host = backend()
-    d.add("host stats kernel", host, ok=host != "numpy",
+    where = f" ({native.origin()})" if host != "numpy" else ""
+    d.add("host stats kernel", host + where, ok=host != "numpy",
           detail=native.unavailable_reason() if host == "numpy" else "")  # fmt: skip
     for fw in ("jax", "torch", "tensorflow"):
         v = _version(fw)

@@ -1,7 +1,9 @@
 """Native code: building and loading traintape's C stat kernel.
 
 The fused stat kernel (``core/_fused_stats.c``) computes the raw rows of
-:mod:`traintape.schema.stats` reading each buffer once. It is compiled with the system C
+:mod:`traintape.schema.stats` reading each buffer once. Installing the package builds it
+(``setup.py``: ``core/_fused_prebuilt*.so``), which is loaded first; without that (or if
+it is stale) it is compiled at run time with the system C
 compiler (``$CC``, else ``gcc``/``cc``; ``-O3 -fopenmp``; ``target_clones`` picks
 AVX-512/AVX2/baseline code at load time) into ``$TRAINTAPE_CACHE_DIR`` or
 ``~/.cache/traintape/<prefix>-<hash>.so`` (hash of sources, flags and compiler; written
@@ -38,6 +40,7 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
 _why: str = ""
+_origin: str = ""
 
 
 def cache_dir() -> Path:
@@ -113,7 +116,7 @@ def build_with_openmp(prefix: str, sources: Sequence[Path], **kw: Any) -> Path:
 
 def fused_lib() -> ctypes.CDLL | None:
     """The loaded fused stat kernel (compiled on first call), or None if unavailable."""
-    global _lib, _tried, _why
+    global _lib, _tried, _why, _origin
     if _tried:
         return _lib
     with _lock:
@@ -130,12 +133,40 @@ def fused_lib() -> ctypes.CDLL | None:
 
 
 def _load_fused() -> ctypes.CDLL | None:
-    global _why
+    global _why, _origin
     if os.environ.get("TRAINTAPE_NO_FUSED"):
         _why = "disabled by TRAINTAPE_NO_FUSED"
         return None
-    path = build_with_openmp("fused", [SOURCE])
-    lib = ctypes.CDLL(str(path))
+    lib = None
+    for pre in prebuilt_paths():
+        try:
+            lib = _checked(ctypes.CDLL(str(pre)), pre)
+            _origin = f"prebuilt at install ({pre.name})"
+            break
+        except Exception as e:  # stale or foreign build: compile one for this source
+            _log.debug("traintape: prebuilt kernel %s not usable (%s)", pre, e)
+    if lib is None:
+        path = build_with_openmp("fused", [SOURCE])
+        lib = _checked(ctypes.CDLL(str(path)), path)
+        _origin = f"compiled at run time ({path})"
+    fn = lib.tt_raw_stats
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int]
+    lib.tt_has_openmp.restype = ctypes.c_int
+    _log.debug("traintape: fused stat kernel %s", _origin)
+    return lib
+
+
+def prebuilt_paths() -> list[Path]:
+    """Kernels built when the package was installed (``setup.py``), unless
+    ``TRAINTAPE_NO_PREBUILT`` is set."""
+    if os.environ.get("TRAINTAPE_NO_PREBUILT"):
+        return []
+    return sorted(SOURCE.parent.glob("_fused_prebuilt*.so"))
+
+
+def _checked(lib: ctypes.CDLL, path: Path) -> ctypes.CDLL:
+    """``lib`` if its raw fields are this build's (a kernel from another version is not)."""
     lib.tt_raw_names.restype = ctypes.c_char_p
     names = tuple(lib.tt_raw_names().decode().split(","))
     if names != RAW_NAMES:
@@ -143,12 +174,13 @@ def _load_fused() -> ctypes.CDLL | None:
             f"{path}: the kernel's raw fields {names} differ from traintape.schema.stats "
             f"{RAW_NAMES}; rebuild it (delete the file)"
         )
-    fn = lib.tt_raw_stats
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int]
-    lib.tt_has_openmp.restype = ctypes.c_int
-    _log.debug("traintape: fused stat kernel loaded from %s", path)
     return lib
+
+
+def origin() -> str:
+    """Where the loaded kernel came from (prebuilt at install / compiled at run time)."""
+    fused_lib()
+    return _origin
 
 
 def fused_available() -> bool:
@@ -169,6 +201,6 @@ def unavailable_reason() -> str:
 
 def reset_for_tests() -> None:
     """Forget the loaded kernel so the next call re-resolves it (tests only)."""
-    global _lib, _tried, _why
+    global _lib, _tried, _why, _origin
     with _lock:
-        _lib, _tried, _why = None, False, ""
+        _lib, _tried, _why, _origin = None, False, "", ""
