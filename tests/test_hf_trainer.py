@@ -199,3 +199,78 @@ def test_peft_lora_trainer_records_lora_grads_only(tmp_path) -> None:
         got = df[df.step == t].set_index("tensor")["l2"]
         for name, want in row.items():
             np.testing.assert_allclose(got[name], want, rtol=1e-4, atol=1e-8, err_msg=name)
+
+
+class _Tracked(torch.utils.data.Dataset):
+    """The training data, remembering the order Trainer reads it in."""
+
+    def __init__(self, items: list) -> None:
+        self.items, self.order = items, []
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int):  # type: ignore[no-untyped-def]
+        self.order.append(int(i))
+        return self.items[i]
+
+
+def test_trainer_grads_equal_a_plain_loop_on_the_same_micro_batches(tmp_path) -> None:
+    """Independent of Trainer: a plain torch loop (same init, same micro-batches in the
+    order Trainer read them, AdamW with Trainer's defaults and linear schedule) computes
+    the accumulated gradient of each step; traintape's recorded grad l2 must equal it.
+    Dropout off: the two loops must compute the same function."""
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    items = [{"input_ids": x, "labels": x}
+             for x in torch.randint(0, 64, (STEPS * ACCUM * BATCH, 8), generator=g)]  # fmt: skip
+    data = _Tracked(items)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "t"), per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=ACCUM, max_steps=STEPS, learning_rate=1e-3,
+        logging_steps=1, max_grad_norm=0.0, use_cpu=True, report_to=[], save_strategy="no",
+        disable_tqdm=True, seed=0, dataloader_num_workers=0,
+    )  # fmt: skip
+    url = str(tmp_path / "run")
+    with traintape.Recorder(url) as rec:
+        transformers.Trainer(model=model, args=args, train_dataset=data,
+                             callbacks=[ttf.Callback(rec)]).train()  # fmt: skip
+    order = data.order[: STEPS * ACCUM * BATCH]
+    assert len(order) == STEPS * ACCUM * BATCH
+
+    plain = transformers.GPT2LMHeadModel(cfg)
+    plain.load_state_dict(init)
+    plain.train()
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                            weight_decay=0.0)  # fmt: skip
+    sched = transformers.get_linear_schedule_with_warmup(opt, 0, STEPS)
+    df = traintape.open_run(url).stats("grad")
+    from traintape.adapters.torch.names import model_layout
+
+    entries = {e.name: e for e in model_layout(plain, warn=False).entries if e.trainable}
+    for t in range(STEPS):
+        opt.zero_grad()
+        # Trainer's loss over an accumulation window: the summed token losses divided by
+        # the number of label tokens in the window (num_items_in_batch, counted before the
+        # causal shift: 8 per sequence), not the mean of the micro-batch means
+        n_items = ACCUM * BATCH * 8
+        for m in range(ACCUM):
+            idx = order[(t * ACCUM + m) * BATCH : (t * ACCUM + m + 1) * BATCH]
+            ids = torch.stack([items[i]["input_ids"] for i in idx])
+            logits = plain(input_ids=ids).logits[:, :-1]
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum"
+            )
+            (loss / n_items).backward()
+        got = df[df.step == t].set_index("tensor")["l2"]
+        assert set(got.index) == set(entries)
+        for name, e in entries.items():
+            want = float(e.part(e.tensor().grad).double().norm())
+            np.testing.assert_allclose(got[name], want, rtol=1e-4, atol=1e-7,
+                                       err_msg=f"{name} at step {t}")  # fmt: skip
+        opt.step()
+        sched.step()
