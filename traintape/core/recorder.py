@@ -434,6 +434,9 @@ class Recorder:
         off = 0
         for p in parts:
             n = len(p.names)
+            if p.absent:
+                names = list(p.names)
+                vecs[[off + names.index(a) for a in p.absent]] = np.nan
             self._record_vectors(step, Kind(p.kind), vecs[off : off + n], p.names, p.snapshots)
             off += n
         return True
@@ -716,6 +719,10 @@ class KindRows:
     """Raw rows ``[len(names), N_RAW]`` float64 (:data:`traintape.schema.stats.RAW_NAMES`)."""
     snapshots: Mapping[str, ArrayLike] | None = None
     """Full tensors by name, canonical layout (full-capture steps)."""
+    absent: Sequence[str] = ()
+    """Names among ``names`` not recorded at this step (their raw rows are ignored and
+    their stat vectors stored as all-NaN: "not recorded", e.g. a frozen weight read only
+    on full-capture steps); they must have no snapshot."""
 
 
 def _check_part(spec: TensorSpec, p: Part, step: int) -> None:

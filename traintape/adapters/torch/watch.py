@@ -135,6 +135,12 @@ class WatchHandle:
         activations: record outputs of parametrised modules (``<layer>/output``).
         probe: a fixed input (tensor or tuple of positional args) whose activations are
             stored in full on full-capture steps (eval mode, no grad, θ_t).
+        frozen: when the ``param`` of frozen parameters (``requires_grad=False``, e.g. the
+            base weights under LoRA) is read: ``"full"`` (default) at the first recorded
+            step and on full-capture steps only — they do not change, and a large frozen
+            base model is not read every step; their ``param`` rows are NaN ("not
+            recorded") at other steps — or ``"every"`` captured step. Buffers (BatchNorm
+            running statistics) change and are read every captured step either way.
 
     Attributes:
         step_index: the optimizer step the next recorded data belongs to.
@@ -152,7 +158,13 @@ class WatchHandle:
         start_step: int = 0,
         activations: bool = True,
         probe: torch.Tensor | Sequence[Any] | None = None,
+        frozen: str = "full",
     ) -> None:
+        if frozen not in ("full", "every"):
+            raise ValueError(f"traintape.torch.watch: frozen={frozen!r}; use 'full' or 'every'")
+        self.frozen = frozen
+        self._frozen_seen = False  # a frozen parameter's param was recorded once already
+        self._absent: set[str] = set()  # param rows not recorded at the current step
         self.model = model
         self.rec = recorder
         self.optimizer = None if optimizer is None else unwrap_optimizer(optimizer)
@@ -392,6 +404,16 @@ class WatchHandle:
         t, rec = self.step_index, self.rec
         if not entries or not rec.wants(t, Kind.PARAM):
             return
+        frozen = [e for e in entries if not e.is_buffer and not e.trainable]
+        if frozen and self.frozen == "full":
+            if self._frozen_seen and not rec.policy.is_full(t):
+                skip = {e.name for e in frozen}  # unchanged since read: rows stay NaN
+                self._absent |= skip
+                self._add(Kind.PARAM, sorted(skip), S.empty_raw(len(skip)))
+                entries = [e for e in entries if e.name not in skip]
+            self._frozen_seen = True
+        if not entries:
+            return
         shards = [self._shard(e, e.tensor().detach()) for e in entries]
         self._add(
             Kind.PARAM,
@@ -579,9 +601,19 @@ class WatchHandle:
                 kn.extend(names)
                 kv.append(raw[start : start + m.shape[0]])
                 start += m.shape[0]
+            absent, self._absent = self._absent, set()
             self.rec.record_step(
                 t,
-                [KindRows(k, kn, np.concatenate(kv), snaps.get(k)) for k, (kn, kv) in rows.items()],
+                [
+                    KindRows(
+                        k,
+                        kn,
+                        np.concatenate(kv),
+                        snaps.get(k),
+                        absent=[n for n in kn if n in absent] if k == Kind.PARAM else (),
+                    )
+                    for k, (kn, kv) in rows.items()
+                ],
             )
         self.step_index = t + 1
         self._boundary()
