@@ -11,7 +11,7 @@ from __future__ import annotations
 import base64
 import html
 import io
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -94,7 +94,7 @@ class _quiet_nanmean:
         self._w.__enter__()
         warnings.simplefilter("ignore", RuntimeWarning)
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self._w.__exit__(*exc)
 
 

@@ -107,6 +107,10 @@ class Recorder:
             append after the last committed step.
     """
 
+    policy: CapturePolicy
+    _sync_hooks: list[Callable[[bool], None]]
+    _writer: StoreWriter | PartWriter
+
     def __init__(
         self,
         url: str | os.PathLike[str] = "runs/run",
@@ -204,7 +208,7 @@ class Recorder:
         self._nonfinite = NonfiniteEvents(m.events)
         self._closed = False
         self._sync_hooks = []
-        self._writer = PartWriter(self.url, self.group.index, m)  # type: ignore[assignment]
+        self._writer = PartWriter(self.url, self.group.index, m)
 
     def _open(
         self,
@@ -247,14 +251,14 @@ class Recorder:
                 user=dict(user or {}),
             )
         self._manifest = m
-        self.policy: CapturePolicy = m.policy
+        self.policy = m.policy
         self._tensors = TensorRegistry(m)
         self._rows = RowState(self.url, m.commit.last_step)
         self._nonfinite = NonfiniteEvents(m.events)
         self._closed = False
-        self._sync_hooks: list[Callable[[bool], None]] = []
+        self._sync_hooks = []
         try:
-            self._writer = StoreWriter(
+            writer = StoreWriter(
                 self.url,
                 m,
                 self._manifest_copy,
@@ -266,7 +270,8 @@ class Recorder:
                 followers=self.group.count - 1,
             )
             if existing is None:
-                self._writer._write_manifest(m.model_copy(deep=True))
+                writer._write_manifest(m.model_copy(deep=True))
+            self._writer = writer
         except Exception as e:
             raise StoreError(f"cannot write a traintape store at {self.url}: {e}") from e
 
@@ -598,7 +603,7 @@ class Recorder:
         row = self._rows.row_for(step)
         if kind in row.stats:
             raise RecordError(f"kind {kind.value} already recorded at step {step}")
-        owned: dict[str, np.ndarray] = {}
+        owned: dict[str, np.ndarray | Part] = {}
         shapes: dict[str, list[int]] = {}
         if snaps:
             specs = self._tensors.specs(kind)

@@ -414,11 +414,11 @@ class StoreWriter(_QueueWorker):
             self._arrays[sp] = self._open(sp).resize(exclusive_max=[new_cap]).result()
         for name, value in snap.tensors.items():
             path = L.snapshot_path(kind, name)
-            part = value if isinstance(value, Part) else None
             if not self._exists(path):
-                shape = part.shape if part is not None else value.shape
-                dtype = part.dtype if part is not None else value.dtype.name
-                block = part.block if part is not None else None
+                if isinstance(value, Part):
+                    shape, dtype, block = value.shape, value.dtype, value.block
+                else:
+                    shape, dtype, block = value.shape, value.dtype.name, None
                 self._create(
                     path, L.snapshot_metadata(self.layout, name, new_cap, shape, dtype, block)
                 )
@@ -427,11 +427,12 @@ class StoreWriter(_QueueWorker):
                 self._arrays[path] = arr.resize(
                     exclusive_max=[new_cap, *arr.shape[1:]], expand_only=True
                 ).result()
-            if part is not None:
+            if isinstance(value, Part):
                 self._parts_upto[kind] = index + 1  # the other processes write theirs
-                if part.data is None:
+                if value.data is None:
                     continue
-                self._pending.append(self._arrays[path][part_index(index, part)].write(part.data))
+                sel = part_index(index, value)
+                self._pending.append(self._arrays[path][sel].write(value.data))
             else:
                 self._pending.append(self._arrays[path][index].write(value))
             self._written_bytes += value.nbytes

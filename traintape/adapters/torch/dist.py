@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+from typing import Any, overload
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -63,21 +65,33 @@ def is_dtensor(t: object) -> bool:
     return DTensor is not None and isinstance(t, DTensor)
 
 
+@overload
+def local(t: torch.Tensor) -> torch.Tensor: ...
+@overload
+def local(t: None) -> None: ...
+@overload
+def local(t: torch.Tensor | None) -> torch.Tensor | None: ...
 def local(t: torch.Tensor | None) -> torch.Tensor | None:
     """The part of ``t`` this rank holds (``t`` itself unless a DTensor)."""
     if t is None or not is_dtensor(t):
         return t
-    if any(isinstance(p, Partial) for p in t.placements):
+    d: Any = t
+    if any(isinstance(p, Partial) for p in d.placements):
         raise ValueError(
-            f"traintape.torch: a DTensor with Partial placement {t.placements} holds "
+            f"traintape.torch: a DTensor with Partial placement {d.placements} holds "
             f"unreduced partial sums; its statistics would be wrong"
         )
-    return t.to_local()
+    return d.to_local()
 
 
+@overload
+def full(t: torch.Tensor) -> torch.Tensor: ...
+@overload
+def full(t: torch.Tensor | None) -> torch.Tensor | None: ...
 def full(t: torch.Tensor | None) -> torch.Tensor | None:
     """The whole tensor (``full_tensor()`` of a DTensor: a collective on every rank)."""
-    return t.full_tensor() if t is not None and is_dtensor(t) else t
+    d: Any = t
+    return d.full_tensor() if t is not None and is_dtensor(t) else t
 
 
 def counts_here(t: torch.Tensor | None, rank: int) -> bool:
@@ -86,10 +100,11 @@ def counts_here(t: torch.Tensor | None, rank: int) -> bool:
     tensor is the same on every rank (DDP, replicated) and counts on rank 0 only."""
     if t is None or not is_dtensor(t):
         return rank == 0
-    coord = t.device_mesh.get_coordinate()
+    d: Any = t
+    coord = d.device_mesh.get_coordinate()
     if coord is None:  # this rank holds no part of t
         return False
-    return all(c == 0 for c, p in zip(coord, t.placements, strict=True) if isinstance(p, Replicate))
+    return all(c == 0 for c, p in zip(coord, d.placements, strict=True) if isinstance(p, Replicate))
 
 
 def snapshot_part(t: torch.Tensor, permutation: tuple[int, ...] | None, rank: int) -> Part | None:
@@ -111,14 +126,15 @@ def snapshot_part(t: torch.Tensor, permutation: tuple[int, ...] | None, rank: in
 
     if not is_dtensor(t):
         return None
+    dt: Any = t
     sharded: dict[int, int] = {}
-    for i, p in enumerate(t.placements):
+    for i, p in enumerate(dt.placements):
         if isinstance(p, Shard) and type(p) is Shard and p.dim not in sharded:
             sharded[p.dim] = i
         elif not isinstance(p, Replicate):
             return None  # strided/nested shards, Partial: assemble the whole tensor
-    shape = tuple(t.shape)
-    mesh = t.device_mesh
+    shape = tuple(dt.shape)
+    mesh = dt.device_mesh
     coord = mesh.get_coordinate()
     block, offset = list(shape), [0] * len(shape)
     for d, i in sharded.items():
@@ -126,12 +142,12 @@ def snapshot_part(t: torch.Tensor, permutation: tuple[int, ...] | None, rank: in
         block[d] = -(-shape[d] // n)
         if coord is not None:
             offset[d] = min(coord[i] * block[d], shape[d])
-    loc = t.to_local().detach()
+    loc = dt.to_local().detach()
     want = [min(b, s - o) for b, s, o in zip(block, shape, offset, strict=True)]
     if coord is None or list(loc.shape) != want:
         raise ValueError(
             f"traintape.torch: local shard of shape {list(loc.shape)} at offset {offset} "
-            f"of a {list(shape)} DTensor {t.placements}; expected {want} (torch.chunk blocks)"
+            f"of a {list(shape)} DTensor {dt.placements}; expected {want} (torch.chunk blocks)"
         )
     here = counts_here(t, rank) and loc.numel() > 0
     perm = permutation or tuple(range(len(shape)))

@@ -646,8 +646,9 @@ def _like(p: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
         return d
     from torch.distributed.tensor import DTensor
 
+    dp: Any = p
     return DTensor.from_local(
-        d, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+        d, dp.device_mesh, dp.placements, run_check=False, shape=p.shape, stride=p.stride()
     )
 
 
