@@ -11,7 +11,7 @@ from __future__ import annotations
 import base64
 import html
 import io
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -20,6 +20,7 @@ from traintape.analysis._common import (
     StatsCache,
     TensorSeries,
     Tracker,
+    _quiet,
     layer_norms,
     natural_key,
 )
@@ -81,21 +82,9 @@ def _bin_mean(z: np.ndarray, axis: int, most: int) -> tuple[np.ndarray, np.ndarr
     zz = np.moveaxis(z, axis, 0)
     zz = np.concatenate([zz, np.full((pad, *zz.shape[1:]), np.nan, dtype=zz.dtype)])
     zz = zz.reshape(len(starts), k, *zz.shape[1:])
-    with np.errstate(all="ignore"), _quiet_nanmean():
+    with np.errstate(all="ignore"), _quiet():
         out = np.nanmean(zz, axis=1)
     return np.moveaxis(out, 0, axis), starts
-
-
-class _quiet_nanmean:
-    def __enter__(self) -> None:
-        import warnings
-
-        self._w = warnings.catch_warnings()
-        self._w.__enter__()
-        warnings.simplefilter("ignore", RuntimeWarning)
-
-    def __exit__(self, *exc: Any) -> None:
-        self._w.__exit__(*exc)
 
 
 def _heatmap(steps: np.ndarray, layers: list[str], values: np.ndarray, title: str) -> str:

@@ -189,6 +189,16 @@ class Recorder:
             self._claim.release()
             raise
 
+    def _adopt(self, m: Manifest) -> None:
+        """The in-memory state of a recorder of manifest ``m`` (leader or follower)."""
+        self._manifest = m
+        self.policy = m.policy
+        self._tensors = TensorRegistry(m)
+        self._rows = RowState(self.url, m.commit.last_step)
+        self._nonfinite = NonfiniteEvents(m.events)
+        self._closed = False
+        self._sync_hooks = []
+
     def _open_as_follower(
         self, policy: CapturePolicy | None, run_id: str | None, *args: Any
     ) -> None:
@@ -201,13 +211,7 @@ class Recorder:
                 f"process {self.group.index}: policy {policy.model_dump()} differs from the "
                 f"store's {m.policy.model_dump()} (process 0 opened {self.url})"
             )
-        self._manifest = m
-        self.policy = m.policy
-        self._tensors = TensorRegistry(m)
-        self._rows = RowState(self.url, m.commit.last_step)
-        self._nonfinite = NonfiniteEvents(m.events)
-        self._closed = False
-        self._sync_hooks = []
+        self._adopt(m)
         self._writer = PartWriter(self.url, self.group.index, m)
 
     def _open(
@@ -250,13 +254,7 @@ class Recorder:
                 ),
                 user=dict(user or {}),
             )
-        self._manifest = m
-        self.policy = m.policy
-        self._tensors = TensorRegistry(m)
-        self._rows = RowState(self.url, m.commit.last_step)
-        self._nonfinite = NonfiniteEvents(m.events)
-        self._closed = False
-        self._sync_hooks = []
+        self._adopt(m)
         try:
             writer = StoreWriter(
                 self.url,
