@@ -94,3 +94,19 @@ def test_killed_during_the_copy_leaves_the_old_history(tmp_path, monkeypatch):
     assert traintape.validate(url).ok
     _train(url, range(20, 25), offset=1.0, resume_step=20)  # the retried rewind works
     assert list(traintape.open_run(url).steps) == list(range(25))
+
+
+def test_every_abandoned_history_survives_later_rewinds(tmp_path):
+    """A deeper rewind abandons the event that named an earlier copy; the earlier copy
+    must not be taken for a leftover and overwritten."""
+    url = str(tmp_path / "run")
+    _train(url, range(12))
+    _train(url, range(8, 15), offset=1.0, resume_step=8)  # abandons 8..11
+    _train(url, range(5, 9), offset=2.0, resume_step=5)  # abandons 5..14
+    _train(url, range(3, 6), offset=3.0, resume_step=3)  # abandons 3..8
+    assert list(traintape.open_run(url).steps) == list(range(6))
+    copies = {k: list(traintape.open_run(f"{url}/abandoned/{k}").steps) for k in range(3)}
+    assert copies == {0: list(range(8, 12)), 1: list(range(5, 15)), 2: list(range(3, 9))}
+    rep = traintape.validate(url)
+    assert rep.ok, rep.problems
+    assert not [n for n in rep.notes if "abandoned" in n]  # every copy is a finished one

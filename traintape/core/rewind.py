@@ -6,14 +6,16 @@ new history replaces them — but not destroyed:
 
 1. they are first copied, as a complete traintape store of their own (same run id with
    ``-abandoned-<k>``, same policy, specs and metrics), to ``<url>/abandoned/<k>``
-   (``k`` = rewinds so far), readable with ``open_run(f"{url}/abandoned/{k}")``;
+   (``k``: the first index without a finished copy), readable with
+   ``open_run(f"{url}/abandoned/{k}")``;
 2. then one manifest write moves the commit mark back to the last row before ``N``, drops
    the abandoned steps' events (the copy keeps them) and adds a ``rewind`` event at ``N``
    that names the copy.
 
-A process killed during (1) leaves the old history (the partial copy is not referenced
-and is replaced by the next rewind); killed after (2), the new one. Never a mix: the
-commit mark is the only thing readers follow, and it is written once.
+A process killed during (1) leaves the old history and an unfinished copy (its manifest
+is not ``closed``), which the next rewind replaces; killed after (2), the new one. Never a
+mix: the commit mark is the only thing readers follow, and it is written once. A finished
+copy is never overwritten, even when a deeper rewind abandons the event that named it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 
 from traintape.core.kvstore import KvStore, join
 from traintape.core.reader import Run
+from traintape.core.store import read_manifest
 from traintape.schema import Event, Kind, Manifest, Severity
 
 ABANDONED = "abandoned"
@@ -30,6 +33,20 @@ REWIND = "rewind"
 
 def abandoned_url(url: str, k: int) -> str:
     return join(url, f"{ABANDONED}/{k}")
+
+
+def abandoned_copies(url: str) -> dict[int, bool]:
+    """The copies under ``<url>/abandoned/``: index → finished (its manifest says
+    ``closed``; an unfinished one is what a rewind killed during its copy left)."""
+    found: dict[int, bool] = {}
+    for key in KvStore(url).list(ABANDONED + "/"):
+        seg = key.split("/")[1] if key.count("/") >= 1 else ""
+        if seg.isdigit() and int(seg) not in found:
+            try:
+                found[int(seg)] = read_manifest(abandoned_url(url, int(seg))).status == "closed"
+            except Exception:  # no or unreadable manifest: unfinished
+                found[int(seg)] = False
+    return found
 
 
 def rewind(url: str, m: Manifest, step: int) -> Manifest:
@@ -42,11 +59,11 @@ def rewind(url: str, m: Manifest, step: int) -> Manifest:
     keep = int(np.searchsorted(steps, step, side="left"))
     if keep == len(steps):
         return m
-    k = sum(1 for e in m.events if e.type == REWIND)
+    copies = abandoned_copies(url)
+    k = next(i for i in range(len(copies) + 1) if not copies.get(i, False))
     dest = abandoned_url(url, k)
-    old = KvStore(dest)
-    if old.list():  # a copy left by a rewind that was killed before its commit
-        old.delete_all()
+    if k in copies:  # unfinished: left by a rewind killed during its copy
+        KvStore(dest).delete_all()
     _copy_rows(run, keep, dest, f"{m.run_id}-abandoned-{k}")
     out = m.model_copy(deep=True)
     out.commit.rows = keep

@@ -246,19 +246,23 @@ class _Checker:
 
     def check_abandoned(self, nodes: set[str]) -> set[str]:
         """The copies of abandoned histories (``abandoned/<k>``, see
-        :mod:`traintape.core.rewind`): those a ``rewind`` event names are validated as
-        stores of their own; others are left by a rewind killed before its commit.
-        Returns the copies' node paths."""
-        copies = {"/".join(n.split("/")[:2]) for n in nodes if n.startswith("abandoned/")}
-        named = {str(e.data.get("abandoned", "")) for e in self.m.events if e.type == "rewind"}
-        for c in sorted(copies):
-            sub = self.url.rstrip("/") + "/" + c + "/"
-            if sub not in named:
+        :mod:`traintape.core.rewind`): finished ones are validated as stores of their own;
+        unfinished ones are left by a rewind killed during its copy. Returns the copies'
+        node paths."""
+        from traintape.core.rewind import ABANDONED, abandoned_copies, abandoned_url
+
+        if not any(n.startswith(ABANDONED + "/") for n in nodes):
+            return set()
+        copies = set()
+        for k, finished in sorted(abandoned_copies(self.url).items()):
+            c = f"{ABANDONED}/{k}"
+            copies.add(c)
+            if not finished:
                 self.r.notes.append(
-                    f"{c}: copy of a rewind that never committed; replaced by the next rewind"
+                    f"{c}: copy of a rewind killed before it finished; the next rewind replaces it"
                 )
                 continue
-            rep = validate(sub)
+            rep = validate(abandoned_url(self.url, k))
             self.r.problems += [f"{c}: {p}" for p in rep.problems]
         return copies
 
