@@ -11,11 +11,14 @@ framework (``traintape.jax``: ``jax.distributed``; ``traintape.torch``:
   at the same point on every process, never from a background thread.
 
 Process 0 (the *leader*) owns the store: the writer claim, the manifest, the stats and
-metrics arrays and the commit mark. The others (*followers*) write nothing: the adapters
-merge every statistic over processes (:func:`traintape.schema.stats.merge`) before it
-reaches the recorder, so the leader's rows are the global ones; full snapshots reach the
-leader whole (JAX: XLA moves them to the device of the host callback; torch FSDP2:
-``DTensor.full_tensor()``). See ``docs/store-format.md`` ("Multi-process jobs").
+metrics arrays and the commit mark. The adapters merge every statistic over processes
+(:func:`merge_over`) before it reaches the recorder, so the leader's rows are the global
+ones. Snapshots of tensors sharded in plain blocks (torch FSDP2) are written by every
+process for the block it holds (:class:`traintape.core.writer.Part`), and the leader
+commits them once each process confirmed its blocks; other snapshots reach the leader
+whole (JAX: XLA moves them to the device of the host callback; torch: replicated, or
+``DTensor.full_tensor()``) and only the leader copies them to the host. See
+``docs/store-format.md`` ("Multi-process jobs").
 
 Adapters register a *detector* (:func:`register_detector`) so that ``Recorder`` finds
 the job's group by itself when the framework's distributed runtime is initialised.

@@ -96,8 +96,9 @@ class Recorder:
             (:class:`~traintape.core.group.ProcessGroup`); default: found from the
             framework (``jax.distributed`` / ``torch.distributed`` once initialised), else
             one process. Every process constructs its ``Recorder`` with the same URL and
-            policy; process 0 writes the store, the others record into nothing (the
-            adapters merge statistics over processes before they reach the recorder).
+            policy; process 0 writes the store (the adapters merge statistics over
+            processes before they reach the recorder), the others write only the snapshot
+            blocks they hold (:class:`~traintape.core.writer.PartWriter`).
             If process 0 cannot open the store, every process raises.
         resume_step: continue an existing run from optimizer step N (a job restarted from
             its step-N checkpoint): committed steps ``>= N`` are abandoned — copied first
@@ -438,8 +439,8 @@ class Recorder:
         for p in parts:
             n = len(p.names)
             if p.absent:
-                names = list(p.names)
-                vecs[[off + names.index(a) for a in p.absent]] = np.nan
+                pos = {name: i for i, name in enumerate(p.names)}
+                vecs[[off + pos[a] for a in p.absent]] = np.nan
             self._record_vectors(step, Kind(p.kind), vecs[off : off + n], p.names, p.snapshots)
             off += n
         return True
@@ -615,7 +616,7 @@ class Recorder:
                 shapes[n] = list(a.shape)
             for n, a in snaps.items():
                 if isinstance(a, Part):  # this process's block: the adapter's own copy
-                    target = storage_dtype(np.dtype(a.dtype))
+                    target = storage_dtype(a.dtype)
                     data = a.data if a.data is None else np.asarray(a.data, dtype=target)
                     owned[n] = Part(data, a.offset, a.shape, a.block, target.name)
                     continue

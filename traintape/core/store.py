@@ -48,9 +48,11 @@ def open_array(
     return ts.open(spec, open=True, context=CONTEXT).result()
 
 
-def storage_dtype(dtype: np.dtype) -> np.dtype:
-    """How a dtype is stored: bfloat16 is widened to float32 (zarr-python lacks bf16)."""
-    return np.dtype(np.float32) if dtype.name == "bfloat16" else dtype
+def storage_dtype(dtype: np.dtype | str) -> np.dtype:
+    """How a dtype (or dtype name) is stored: bfloat16 is widened to float32 (zarr-python
+    lacks bf16; a name needs no ml_dtypes import)."""
+    name = dtype if isinstance(dtype, str) else dtype.name
+    return np.dtype(np.float32) if name == "bfloat16" else np.dtype(dtype)
 
 
 def read_manifest(url: str) -> Manifest:

@@ -510,24 +510,24 @@ class StoreWriter(_QueueWorker):
         need = {k: n for k, n in need.items() if n > 0}
         if not self.followers or not need:
             return
-        deadline = time.monotonic() + self.followers_timeout
         waiting = set(range(1, self.followers + 1))
-        pause = 0.001
-        while True:
+
+        def confirmed() -> bool:
             for rank in sorted(waiting):
                 done = read_progress(self.kv, rank)
                 if all(done.get(k.value, 0) >= n for k, n in need.items()):
                     waiting.discard(rank)
-            if not waiting:
-                return
-            if time.monotonic() > deadline:
-                raise StoreError(
-                    f"{self.url}: process(es) {sorted(waiting)} did not confirm their "
-                    f"snapshot blocks ({ {k.value: n for k, n in need.items()} }) within "
-                    f"{self.followers_timeout:.0f} s; capture stops, committed steps stay valid"
-                )
-            time.sleep(pause)
-            pause = min(2 * pause, 0.05)  # 1 ms first: a commit waits little for a peer
+            return not waiting
+
+        _poll(
+            confirmed,
+            self.followers_timeout,
+            lambda: (
+                f"{self.url}: process(es) {sorted(waiting)} did not confirm their snapshot "
+                f"blocks ({ {k.value: n for k, n in need.items()} }) within "
+                f"{self.followers_timeout:.0f} s; capture stops, committed steps stay valid"
+            ),
+        )
 
     def _trim(self, m: Manifest, rows: int, last: int | None) -> None:
         """Shrink arrays to exactly what is committed, so plain Zarr readers see no padding."""
@@ -570,6 +570,19 @@ class StoreWriter(_QueueWorker):
 
     def _write_manifest(self, m: Manifest) -> None:
         write_manifest(self.kv, m)
+
+
+def _poll(done: Callable[[], bool], timeout: float, failure: Callable[[], str]) -> None:
+    """Wait until ``done()`` (checked at once, then after 1 ms, doubling to 50 ms: a
+    waiting commit or write waits little for another process); ``StoreError(failure())``
+    after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    pause = 0.001
+    while not done():
+        if time.monotonic() > deadline:
+            raise StoreError(failure())
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
 
 
 PROGRESS = ".traintape/progress"
@@ -682,18 +695,19 @@ class PartWriter(_QueueWorker):
         arr = self._arrays.get(path)
         if arr is not None and arr.shape[0] > index:
             return arr
-        deadline = time.monotonic() + self.timeout
-        pause = 0.001
-        while True:
-            if self.kv.read_bytes(f"{path}/zarr.json") is not None:
-                arr = open_array(self.url, path, **self._store_all)
-                if arr.shape[0] > index:
-                    self._arrays[path] = arr
-                    return arr
-            if time.monotonic() > deadline:
-                raise StoreError(
-                    f"{self.url}: array {path} was not created or grown to hold snapshot "
-                    f"{index} by process 0 within {self.timeout:.0f} s"
-                )
-            time.sleep(pause)
-            pause = min(2 * pause, 0.05)
+
+        def grown() -> bool:
+            if self.kv.read_bytes(f"{path}/zarr.json") is None:
+                return False
+            self._arrays[path] = open_array(self.url, path, **self._store_all)
+            return self._arrays[path].shape[0] > index
+
+        _poll(
+            grown,
+            self.timeout,
+            lambda: (
+                f"{self.url}: array {path} was not created or grown to hold snapshot "
+                f"{index} by process 0 within {self.timeout:.0f} s"
+            ),
+        )
+        return self._arrays[path]

@@ -96,6 +96,7 @@ from traintape.adapters.torch.opt_state import OptStateTracker
 from traintape.core.group import merge_over
 from traintape.core.naming import NameMap
 from traintape.core.recorder import KindRows, Recorder
+from traintape.core.writer import Part
 from traintape.schema import Kind, TensorSpec
 from traintape.schema.stats import merge
 
@@ -364,16 +365,31 @@ class WatchHandle:
         processes from this one (default: every row — its part of the global batch)."""
         self._pending.setdefault(kind, []).append((names, raw, here or [True] * len(names)))
 
+    def _add_tensors(
+        self, kind: Kind, names: list[str], tensors: list[tuple[ParamEntry, torch.Tensor | None]]
+    ) -> None:
+        """Raw rows of ``tensors`` (entry, its tensor in source layout; None: no gradient
+        or state yet) under ``names``: what this process holds of each
+        (:meth:`_shard`), stashed with whether it counts in the merge over processes."""
+        shards = [self._shard(e, t) for e, t in tensors]
+        self._add(kind, names, S.raw_stats([x for x, _ in shards]), [h for _, h in shards])
+
     def _snapshot(self, e: ParamEntry, t: torch.Tensor | None, dtype: torch.dtype) -> Any:
         """Host copy of ``t`` (``e``'s tensor, source layout) for a snapshot, canonical
         layout: this process's block (:func:`~traintape.adapters.torch.dist.snapshot_part`)
         of a sharded tensor in a multi-process job — every process writes the blocks it
-        holds — else the whole tensor (a sharded one assembled with ``full_tensor()``)."""
-        if t is not None and e.rows is None and self.rec.group.count > 1:
+        holds — else the whole tensor (a sharded one assembled with ``full_tensor()``),
+        which process 0 alone writes: the others make no host copy of it."""
+        multi = self.rec.group.count > 1
+        if multi and t is not None and e.rows is None:
             part = snapshot_part(t, e.permutation, self._rank)
             if part is not None:
                 return part
-        return canonical_host_copy(e, _part(e, full(t)), dtype)
+        whole = _part(e, full(t))  # a collective for a sharded tensor: every process joins
+        if multi and self._rank != 0:
+            shape = tuple(e.shape)
+            return Part(None, (0,) * len(shape), shape, shape, numpy_dtype_name(dtype))
+        return canonical_host_copy(e, whole, dtype)
 
     def _shard(self, e: ParamEntry, t: torch.Tensor | None) -> tuple[torch.Tensor | None, bool]:
         """What this process reduces of ``t`` (``e``'s tensor, source layout) and whether
@@ -414,13 +430,8 @@ class WatchHandle:
             self._frozen_seen = True
         if not entries:
             return
-        shards = [self._shard(e, e.tensor().detach()) for e in entries]
-        self._add(
-            Kind.PARAM,
-            [e.name for e in entries],
-            S.raw_stats([x for x, _ in shards]),
-            [h for _, h in shards],
-        )
+        self._add_tensors(Kind.PARAM, [e.name for e in entries],
+                          [(e, e.tensor().detach()) for e in entries])  # fmt: skip
         if rec.policy.snapshots(t, Kind.PARAM):
             self._snaps.setdefault(Kind.PARAM, {}).update(
                 {e.name: self._snapshot(e, e.tensor().detach(), e.tensor().dtype) for e in entries}
@@ -464,13 +475,8 @@ class WatchHandle:
         t = self.step_index
         if not self.train_entries or not self.rec.wants(t, Kind.GRAD):
             return
-        shards = [self._shard(e, e.tensor().grad) for e in self.train_entries]
-        self._add(
-            Kind.GRAD,
-            [e.name for e in self.train_entries],
-            S.raw_stats([x for x, _ in shards]),
-            [h for _, h in shards],
-        )
+        self._add_tensors(Kind.GRAD, [e.name for e in self.train_entries],
+                          [(e, e.tensor().grad) for e in self.train_entries])  # fmt: skip
         if self.rec.policy.snapshots(t, Kind.GRAD):
             self._snaps[Kind.GRAD] = {
                 e.name: self._snapshot(e, e.tensor().grad, e.tensor().dtype)
@@ -486,13 +492,8 @@ class WatchHandle:
             diff = torch._foreach_sub([local(p.detach()) for p in live], self._theta)
         # a sharded parameter's difference is a shard too: the same placements
         by_id = {id(p): _like(p, d) for p, d in zip(live, diff, strict=True)}
-        shards = [self._shard(e, by_id[id(e.tensor())]) for e in self.train_entries]
-        self._add(
-            Kind.UPDATE,
-            [e.name for e in self.train_entries],
-            S.raw_stats([x for x, _ in shards]),
-            [h for _, h in shards],
-        )
+        self._add_tensors(Kind.UPDATE, [e.name for e in self.train_entries],
+                          [(e, by_id[id(e.tensor())]) for e in self.train_entries])  # fmt: skip
         if self.rec.policy.snapshots(t, Kind.UPDATE):
             self._snaps[Kind.UPDATE] = {}
             for e in self.train_entries:
@@ -508,13 +509,8 @@ class WatchHandle:
         if not leaves:
             return
         wholes = [leaf.whole(opt.optimizer) for leaf in leaves]
-        shards = [self._shard(leaf.entry, v) for leaf, v in zip(leaves, wholes, strict=True)]
-        self._add(
-            Kind.OPT_STATE,
-            [leaf.name for leaf in leaves],
-            S.raw_stats([x for x, _ in shards]),
-            [h for _, h in shards],
-        )
+        self._add_tensors(Kind.OPT_STATE, [leaf.name for leaf in leaves],
+                          [(leaf.entry, v) for leaf, v in zip(leaves, wholes, strict=True)])  # fmt: skip
         if self.rec.policy.snapshots(t, Kind.OPT_STATE):
             self._snaps[Kind.OPT_STATE] = {
                 leaf.name: self._snapshot(leaf.entry, v, leaf.dtype)
@@ -592,8 +588,8 @@ class WatchHandle:
             if len({m.device for m in mats}) > 1:
                 mats = [m.cpu() for m in mats]
             raw = S.to_host(torch.cat(mats) if len(mats) > 1 else mats[0])
-            # several processes: exact global rows (every process makes this call here)
-            raw = merge_over(self.rec.group, raw, np.concatenate([h for *_, h in blocks]))
+            if self.rec.group.count > 1:  # exact global rows; every process calls it here
+                raw = merge_over(self.rec.group, raw, np.concatenate([h for *_, h in blocks]))
             rows: dict[Kind, tuple[list[str], list[np.ndarray]]] = {}
             start = 0
             for (k, names, _, _), m in zip(blocks, mats, strict=True):
