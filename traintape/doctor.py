@@ -34,9 +34,8 @@ def _version(module: str) -> str | None:
         return None
     from importlib.metadata import PackageNotFoundError, version
 
-    dist = {"jax": "jax", "torch": "torch", "tensorflow": "tensorflow"}.get(module, module)
     try:
-        return version(dist)
+        return version(module)
     except PackageNotFoundError:
         return "installed"
 

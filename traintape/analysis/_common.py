@@ -520,13 +520,20 @@ def robust_z(x: np.ndarray, window: int, min_periods: int | None = None) -> np.n
     than ``min_periods`` (default: ``window``, a full history — the warm-up) finite
     predecessors exist or ``x_t`` is not finite. ``x`` is ``[rows]`` or ``[rows, col]``.
     """
+    return robust_z_median(x, window, min_periods)[0]
+
+
+def robust_z_median(
+    x: np.ndarray, window: int, min_periods: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`robust_z` and the rolling median it is taken against (``x``'s shape)."""
     need = window if min_periods is None else min(min_periods, window)
     x = np.asarray(x, dtype=np.float64)
     med, mad, n = rolling_median_mad(x, window)
     eps = 1e-3 * (np.abs(med) + 1e-12)
     with np.errstate(all="ignore"):
         z = (x - med) / (1.4826 * mad + eps)
-    return np.where((n >= max(need, 1)) & np.isfinite(x), z, np.nan)
+    return np.where((n >= max(need, 1)) & np.isfinite(x), z, np.nan), med
 
 
 def finite_float(v: float | np.floating) -> float | None:

@@ -46,7 +46,7 @@ from traintape.analysis._common import (
     layer_of,
     layer_stat,
     natural_key,
-    rolling_median_mad,
+    robust_z_median,
     tensor_rank,
 )
 from traintape.schema import Kind, Severity
@@ -213,15 +213,10 @@ def _series_z(
     n_rows = x.shape[0]
     if n_rows == 0 or x.shape[1] == 0:
         return out
-    need = max(1, min(th.min_history, th.window))
     step = max(1, max_values // n_rows)
     for c0 in range(0, x.shape[1], step):
         xb = np.asarray(x[:, c0 : c0 + step], dtype=np.float64)
-        med, mad, n = rolling_median_mad(xb, th.window)
-        eps = 1e-3 * (np.abs(med) + 1e-12)
-        with np.errstate(all="ignore"):
-            z = (xb - med) / (1.4826 * mad + eps)
-        z = np.where((n >= need) & np.isfinite(xb), z, np.nan)
+        z, med = robust_z_median(xb, th.window, th.min_history)
         hit = np.abs(np.nan_to_num(z)) > th.z
         if typ_down is None:
             hit &= z > 0

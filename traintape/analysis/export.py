@@ -99,6 +99,9 @@ def _write_stats(run: Run, kind: Kind, out: str, format: str) -> str:
     block of rows (one parquet row group per block), so memory holds one block."""
     path = os.path.join(out, f"stats_{kind.value}.{format}")
     per = max(1, BLOCK_VALUES // max(1, len(run.tensor_names(kind))))
+    if format == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
     writer = None
     try:
         for start in range(0, max(run.rows, 1), per):
@@ -106,9 +109,6 @@ def _write_stats(run: Run, kind: Kind, out: str, format: str) -> str:
             if format == "csv":
                 df.to_csv(path, index=False, mode="w" if start == 0 else "a", header=start == 0)
                 continue
-            import pyarrow as pa
-            import pyarrow.parquet as pq
-
             table = pa.Table.from_pandas(df, preserve_index=False)
             if writer is None:
                 writer = pq.ParquetWriter(path, table.schema)
