@@ -25,11 +25,13 @@ from traintape.schema.stats import (
     COUNT_FIELDS,
     RAW_INDEX,
     RAW_NAMES,
+    STAT_NAMES,
     finalize,
     merge,
     merge_all,
     reference_raw_rows,
     reference_stats,
+    rescale,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,6 +57,8 @@ def _cases() -> list[np.ndarray]:
 
 def _check(got: np.ndarray, want: np.ndarray, backend: str, rtol: float) -> None:
     assert got.shape == want.shape, f"{backend}: shape {got.shape} != {want.shape}"
+    # backends may hold sums scaled by another power of two (``exp``): same units first
+    got = rescale(got, want[:, RAW_INDEX["exp"]])
     for name in RAW_NAMES:
         i = RAW_INDEX[name]
         g, w = got[:, i], want[:, i]
@@ -113,6 +117,98 @@ def test_tf_backends_raw_rows_equal_reference() -> None:
     want = reference_raw_rows(xs)
     _check(raw_matrix([tf.constant(x) for x in xs]).numpy(), want, "tf ops", 2e-5)
     _check(host_raw_matrices([[tf.constant(x) for x in xs]])[0], want, "tf host", 1e-6)
+
+
+def _extreme_cases() -> dict[str, tuple[np.ndarray, int]]:
+    """Data whose plain sums of squares overflow (float32 accumulators beyond ~1e19,
+    float64 beyond ~1e154), with a power of two ``2**k`` that brings it to ~1."""
+    rng = np.random.default_rng(3)
+    f64 = rng.normal(size=3000) * 1e200
+    f64[[5, 9]] = [np.nan, np.inf]
+    return {
+        "f32 1e22 small": (rng.normal(size=3000).astype(np.float32) * np.float32(1e22), 73),
+        "f32 1e22 large": (rng.normal(size=100_000).astype(np.float32) * np.float32(1e22), 73),
+        "f64 1e200 small": (f64, 664),
+        "f64 1e200 large": (rng.normal(size=100_000) * 1e200, 664),
+        "f64 1e300 one": (np.array([1e300, -3e299, 0.0]), 997),
+    }
+
+
+def _truth(x: np.ndarray, k: int) -> np.ndarray:
+    """mean, std, l2, abs_mean of the finite elements, by numpy on ``x * 2**-k`` (no
+    traintape code), scaled back."""
+    xs = np.ldexp(x.astype(np.float64), -k)
+    xs = xs[np.isfinite(xs)]
+    return np.ldexp([xs.mean(), xs.std(), np.linalg.norm(xs), np.abs(xs).mean()], k)
+
+
+def _backends_of(x: np.ndarray) -> dict[str, np.ndarray]:
+    """Stat vectors of ``x`` from every backend that takes its dtype."""
+    import jax
+    import jax.numpy as jnp
+    import tensorflow as tf
+    import torch
+
+    from traintape.adapters.jax import ffi_kernel
+    from traintape.adapters.jax import stats as JS
+    from traintape.adapters.tf import stats as TFS
+    from traintape.adapters.torch import stats as TS
+    from traintape.core.stats import stat_vectors
+
+    out = {
+        "reference": reference_stats([x])[0],
+        "host kernel": stat_vectors([x])[0],
+        "torch": TS.stat_vectors([torch.from_numpy(x)])[0],
+        "tf ops": TFS.stat_matrix([tf.constant(x)])[0],
+    }
+    if x.dtype == np.float32:  # the XLA path reduces in float32
+        out["jax xla"] = JS.stat_matrix([jnp.asarray(x)])[0]
+    if ffi_kernel.available():
+        jax.config.update("jax_enable_x64", True)  # float64 arrays stay float64
+        try:
+            rows = jax.jit(ffi_kernel.raw_rows)([jnp.asarray(x)])
+            out["jax ffi kernel"] = finalize(ffi_kernel.decode(np.asarray(rows)))[0]
+        finally:
+            jax.config.update("jax_enable_x64", False)
+    return out
+
+
+def test_sums_beyond_the_float_range_are_scaled_not_overflowed(monkeypatch) -> None:
+    """float32 gradients of ~1e22 (a run blowing up) and float64 data beyond ~1e154
+    overflow plain sums of squares: every backend must still give finite, right std, l2
+    and mean — not inf, and not the 0 that ``max(inf - inf, 0)`` makes of std."""
+    for module in ("torch", "tensorflow", "jax"):
+        pytest.importorskip(module)
+    import torch
+
+    from traintape.adapters.torch import stats as TS
+
+    cols = [STAT_NAMES.index(n) for n in ("mean", "std", "l2", "abs_mean")]
+    for case, (x, k) in _extreme_cases().items():
+        want = _truth(x, k)
+        got = _backends_of(x)
+        monkeypatch.setattr(TS, "_fused_ok", lambda: False)  # the torch-ops path (CUDA's)
+        got["torch ops"] = TS.stat_vectors([torch.from_numpy(x)])[0]
+        monkeypatch.undo()
+        for backend, v in got.items():
+            # mean of zero-mean data: relative to the spread (float32 device sums)
+            np.testing.assert_allclose(
+                v[cols], want, rtol=5e-5, atol=5e-5 * want[1], err_msg=f"{case}: {backend}"
+            )
+
+
+def test_merge_brings_scaled_parts_to_one_exponent() -> None:
+    """Parts reduced at different scales (one beyond SCALE_FROM, one not) merge to the
+    whole's statistics, in either order."""
+    rng = np.random.default_rng(4)
+    small, big = rng.normal(size=500), rng.normal(size=700) * 1e160
+    parts = reference_raw_rows([small, big])
+    assert parts[0, RAW_INDEX["exp"]] == 0 and parts[1, RAW_INDEX["exp"]] > 0
+    want = _truth(np.concatenate([small, big]), 532)
+    cols = [STAT_NAMES.index(n) for n in ("mean", "std", "l2", "abs_mean")]
+    for a, b in ((0, 1), (1, 0)):
+        got = finalize(merge(parts[a], parts[b]))
+        np.testing.assert_allclose(got[cols], want, rtol=1e-12)
 
 
 @pytest.mark.parametrize("namespace", ["numpy", "torch", "jax"])

@@ -1,13 +1,18 @@
 /* traintape fused stat kernel: one memory pass per buffer.
  *
  * For each input buffer (float32 or float64, contiguous) it computes the mergeable
- * "raw" row (10 doubles, the layout of traintape.schema.stats.RAW_NAMES, checked
+ * "raw" row (11 doubles, the layout of traintape.schema.stats.RAW_NAMES, checked
  * against tt_raw_names() when the library is loaded):
  *
- *   numel, finite count, sum, M2, min, max, sum of squares, sum |x|, zero count, NaN count
+ *   numel, finite count, sum, M2, min, max, sum of squares, sum |x|, zero count, NaN count,
+ *   exp
  *
  * (sum, M2, min, max, sum of squares and sum |x| over finite elements only; M2 is the sum
- * of squared deviations from the mean).
+ * of squared deviations from the mean). sum and sum |x| are in units of 2^exp, M2 and the
+ * sum of squares in units of 2^(2 exp): exp is 0 unless a block's largest finite |x|
+ * reaches 2^480 (~3e144: float64 data), in which case that block is reduced again as x * 2^-e, e the
+ * exponent of its largest finite |x| (exact: powers of two), and blocks are brought to
+ * the larger exponent when merged (traintape.schema.stats.SCALED / merge).
  *
  * Buffers are cut into fixed blocks of BLOCK elements. Each block is reduced in one pass
  * with LANES independent accumulators (the inner loop is a plain elementwise loop over
@@ -31,12 +36,12 @@
 
 #define BLOCK 32768
 #define LANES 16
-#define RAW 10
+#define RAW 11
 
-enum { NUMEL, NFIN, SUM, M2, MIN, MAX, SUMSQ, ABSS, ZEROS, NANS };
+enum { NUMEL, NFIN, SUM, M2, MIN, MAX, SUMSQ, ABSS, ZEROS, NANS, EXP };
 
 /* Field names in enum order: the Python side refuses a library whose layout differs. */
-const char *tt_raw_names(void) { return "numel,nfinite,sum,m2,min,max,sumsq,abs_sum,zeros,nan"; }
+const char *tt_raw_names(void) { return "numel,nfinite,sum,m2,min,max,sumsq,abs_sum,zeros,nan,exp"; }
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
 #define TT_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
@@ -49,6 +54,7 @@ typedef struct {
     double sum;  /* sum of finite x */
     double m2;   /* sum of squared deviations from the block mean */
     double mn, mx, sumsq, abss, zeros, nans;
+    int e;       /* sum, abss in units of 2^e; m2, sumsq in units of 2^(2e) */
 } part_t;
 
 typedef struct {
@@ -205,7 +211,65 @@ TT_CLONES static void vec_f64(const double *restrict p, int64_t len8, double K, 
     a->nf += len8;
 }
 
-#define DEFINE_BLOCK(NAME, T, VEC, SCALAR)                                                  \
+/* Masked pass of p[0:len] over x * 2^-e (only when the plain pass overflowed): sums of
+ * values below 1 in magnitude cannot overflow. Returns the (scaled) shift K. */
+#define DEFINE_SCALED(NAME, T)                                                              \
+    static double NAME(const T *restrict p, int64_t len, int e, acc_t *a) {                 \
+        double K = 0.0;                                                                     \
+        for (int64_t i = 0; i < len; i++) {                                                 \
+            if (p[i] - p[i] == 0) {                                                         \
+                K = ldexp((double)p[i], -e);                                                \
+                break;                                                                      \
+            }                                                                               \
+        }                                                                                   \
+        for (int64_t i = 0; i < len; i++) {                                                 \
+            T x = p[i];                                                                     \
+            if (x - x != 0) continue; /* NaN, +-Inf: counted by the plain pass */           \
+            double xs = ldexp((double)x, -e), d = xs - K;                                   \
+            a->s1 += d;                                                                     \
+            a->s2 += d * d;                                                                 \
+            a->ab += fabs(xs);                                                              \
+        }                                                                                   \
+        return K;                                                                           \
+    }
+
+DEFINE_SCALED(scaled_f32, float)
+DEFINE_SCALED(scaled_f64, double)
+
+/* Block results from the accumulator (sums around the shift K). */
+static void block_out(const acc_t *a, double K, part_t *out) {
+    double N = (double)a->nf;
+    out->n = N;
+    out->zeros = (double)a->nz;
+    out->nans = (double)a->nn;
+    out->abss = a->ab;
+    out->mn = a->mn;
+    out->mx = a->mx;
+    out->e = 0;
+    if (N > 0) {
+        double sq = a->s1 * a->s1, m2 = a->s2 - sq / N;
+        double mean = K + a->s1 / N;
+        out->m2 = !isfinite(sq) ? INFINITY : m2 > 0 ? m2 : 0.0; /* inf: redo scaled */
+        out->sum = K * N + a->s1;
+        out->sumsq = out->m2 + N * mean * mean;
+    } else {
+        out->m2 = 0;
+        out->sum = 0;
+        out->sumsq = 0;
+    }
+}
+
+static int overflowed(const part_t *o) {
+    return o->n > 0 && !(isfinite(o->sum) && isfinite(o->m2) && isfinite(o->sumsq) &&
+                         isfinite(o->abss));
+}
+
+/* A block whose largest finite |x| reaches 2^480 is reduced scaled (traintape.schema.stats
+ * SCALE_FROM): unscaled sums of up to 2^63 elements below it cannot overflow, in a block
+ * or when blocks, tensors' shards or processes are merged. */
+#define SCALE_FROM 0x1p480
+
+#define DEFINE_BLOCK(NAME, T, VEC, SCALAR, SCALED)                                          \
     static void NAME(const T *restrict p, int64_t len, part_t *out) {                       \
         double K = 0.0;                                                                     \
         for (int64_t i = 0; i < len; i++) {                                                 \
@@ -223,32 +287,43 @@ TT_CLONES static void vec_f64(const double *restrict p, int64_t len8, double K, 
             SCALAR(p, 0, len8, K, &a);                                                      \
         }                                                                                   \
         SCALAR(p, len8, len, K, &a);                                                        \
-        double N = (double)a.nf;                                                            \
-        out->n = N;                                                                         \
-        out->zeros = (double)a.nz;                                                          \
-        out->nans = (double)a.nn;                                                           \
-        out->abss = a.ab;                                                                   \
-        out->mn = a.mn;                                                                     \
-        out->mx = a.mx;                                                                     \
-        if (N > 0) {                                                                        \
-            double m2 = a.s2 - a.s1 * a.s1 / N;                                             \
-            double mean = K + a.s1 / N;                                                     \
-            out->m2 = m2 > 0 ? m2 : 0.0;                                                    \
-            out->sum = K * N + a.s1;                                                        \
-            out->sumsq = out->m2 + N * mean * mean;                                         \
-        } else {                                                                            \
-            out->m2 = 0;                                                                    \
-            out->sum = 0;                                                                   \
-            out->sumsq = 0;                                                                 \
+        block_out(&a, K, out);                                                              \
+        double big = fabs(a.mn) > fabs(a.mx) ? fabs(a.mn) : fabs(a.mx);                     \
+        if (a.nf > 0 && (big >= SCALE_FROM || overflowed(out))) {                           \
+            int e;                                                                          \
+            frexp(big, &e);                                                                 \
+            acc_t b = a;                                                                    \
+            b.s1 = b.s2 = b.ab = 0;                                                         \
+            double Ks = SCALED(p, len, e, &b);                                              \
+            block_out(&b, Ks, out);                                                         \
+            out->e = e;                                                                     \
         }                                                                                   \
     }
 
-DEFINE_BLOCK(block_f32, float, vec_f32, scalar_f32)
-DEFINE_BLOCK(block_f64, double, vec_f64, scalar_f64)
+DEFINE_BLOCK(block_f32, float, vec_f32, scalar_f32, scaled_f32)
+DEFINE_BLOCK(block_f64, double, vec_f64, scalar_f64, scaled_f64)
+
+/* Bring a part's scaled fields to exponent e >= its own (exact unless they underflow,
+ * which only happens for a part negligible beside the one with exponent e). */
+static void rescale(part_t *a, int e) {
+    if (a->e == e) return;
+    int d = a->e - e;
+    a->sum = ldexp(a->sum, d);
+    a->abss = ldexp(a->abss, d);
+    a->m2 = ldexp(a->m2, 2 * d);
+    a->sumsq = ldexp(a->sumsq, 2 * d);
+    a->e = e;
+}
 
 /* Merge block b into accumulator a (Chan et al.). */
-static void merge(part_t *a, const part_t *b) {
+static void merge(part_t *a, const part_t *b_in) {
+    part_t bs = *b_in;
+    part_t *b = &bs;
     if (b->n > 0) {
+        if (a->n == 0) a->e = b->e;
+        int e = a->e > b->e ? a->e : b->e;
+        rescale(a, e);
+        rescale(b, e);
         if (a->n > 0) {
             double n = a->n + b->n;
             double delta = b->sum / b->n - a->sum / a->n;
@@ -349,7 +424,7 @@ void tt_plan_run(tt_plan *p, int64_t b0, int64_t b1) {
 /* Merge every buffer's parts (in block order) into out: [n, RAW] doubles. */
 void tt_plan_finish(const tt_plan *p, double *out) {
     for (int64_t i = 0; i < p->n; i++) {
-        part_t acc = {0, 0, 0, INFINITY, -INFINITY, 0, 0, 0, 0};
+        part_t acc = {0, 0, 0, INFINITY, -INFINITY, 0, 0, 0, 0, 0};
         for (int64_t b = p->first[i]; b < p->first[i + 1]; b++) merge(&acc, &p->parts[b]);
         double *r = out + i * RAW;
         r[NUMEL] = (double)p->lens[i];
@@ -362,6 +437,7 @@ void tt_plan_finish(const tt_plan *p, double *out) {
         r[ABSS] = acc.abss;
         r[ZEROS] = acc.zeros;
         r[NANS] = acc.nans;
+        r[EXP] = (double)acc.e;
     }
 }
 

@@ -4,7 +4,8 @@ Every backend (traintape's C kernel, XLA reductions, TensorFlow ops, torch ops) 
 a tensor to a **raw row**: the mergeable sufficient statistics of :data:`RAW_FIELDS`,
 float64, in that order. Raw rows of disjoint parts of one tensor (shards on devices or
 processes, micro-batches of a step) combine *exactly* with :func:`merge` — sums add,
-min/max take the extreme, ``m2`` uses Chan's parallel formula — and :func:`finalize`
+min/max take the extreme, ``m2`` uses Chan's parallel formula, a part held in scaled
+units (``exp``, :data:`SCALED`) is first rescaled to the other's — and :func:`finalize`
 turns raw rows into the **stat vector** (:data:`STATS`), the per-tensor statistics a
 store holds (``stats/<kind>`` arrays, last axis in :data:`STAT_NAMES` order).
 
@@ -54,6 +55,7 @@ class Merge(StrEnum):
     MIN = "min"
     MAX = "max"
     M2 = "m2"  # sum of squared deviations: Chan's parallel formula (needs nfinite, sum)
+    EXP = "exp"  # the larger exponent; the other part's scaled fields are rescaled to it
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ RAW_FIELDS: Final[tuple[RawField, ...]] = (
     RawField("abs_sum", Merge.ADD, 0.0, "sum of |x| over the finite elements"),
     RawField("zeros", Merge.ADD, 0.0, "number of elements equal to zero"),
     RawField("nan", Merge.ADD, 0.0, "number of NaN elements"),
+    RawField("exp", Merge.EXP, 0.0, "power-of-two exponent e of the scaled fields (see SCALED)"),
 )  # fmt: skip
 """Raw-row layout shared by every backend (the C kernel's ``enum`` is checked against
 these names when it is loaded)."""
@@ -85,6 +88,19 @@ these names when it is loaded)."""
 RAW_NAMES: Final[tuple[str, ...]] = tuple(f.name for f in RAW_FIELDS)
 N_RAW: Final[int] = len(RAW_FIELDS)
 RAW_INDEX: Final[dict[str, int]] = {n: i for i, n in enumerate(RAW_NAMES)}
+SCALED: Final[dict[str, int]] = {"sum": 1, "abs_sum": 1, "m2": 2, "sumsq": 2}
+"""Raw fields held in units of ``2**(p * exp)`` (field name → power ``p``).
+
+A part whose largest finite ``|x|`` reaches :data:`SCALE_FROM` (float64 data), or whose
+sums overflowed in a backend's float32 accumulators (beyond ~1e19), is reduced as
+``x * 2**-e`` instead, ``e`` the exponent of its largest finite ``|x|`` (``frexp``), and
+records ``exp = e``; otherwise ``exp = 0``. Below ``SCALE_FROM`` float64 sums of up to
+2**63 elements cannot overflow, within a part or when parts are merged.
+Scaling by a power of two is exact, so a scaled part finalizes to the same numbers
+bit for bit (barring subnormals) — only the range changes: statistics are finite
+whenever the statistic itself is representable. min and max are never scaled."""
+SCALE_FROM: Final[float] = 2.0**480
+"""Largest finite ``|x|`` from which a part is reduced scaled (see :data:`SCALED`)."""
 COUNT_FIELDS: Final[tuple[str, ...]] = ("numel", "nfinite", "zeros", "nan")
 """Raw fields that are element counts (exact integers; device backends that carry raw
 rows in float32 send these as int32 bit patterns)."""
@@ -121,18 +137,29 @@ def _ratio(num: Array, den: Array) -> Array:
     return num / np.maximum(den, 1.0)
 
 
+def _unscale(v: Array, r: Raw) -> Array:
+    """``v * 2**exp``: a value in the units of the first-power :data:`SCALED` fields
+    back in the data's units (``ldexp``: exact, and inf only if the value overflows)."""
+    return np.ldexp(v, r.exp.astype(np.int64))
+
+
 STATS: Final[tuple[Stat, ...]] = (
-    Stat("mean", "mean of the finite elements", lambda r: _ratio(r.sum, r.nfinite), np.nan),
+    Stat("mean", "mean of the finite elements", lambda r: _unscale(_ratio(r.sum, r.nfinite), r), np.nan),
     Stat(
         "std",
         "population standard deviation of the finite elements",
-        lambda r: np.sqrt(_ratio(np.maximum(r.m2, 0.0), r.nfinite)),
+        lambda r: _unscale(np.sqrt(_ratio(np.maximum(r.m2, 0.0), r.nfinite)), r),
         np.nan,
     ),
     Stat("min", "minimum finite element", lambda r: r.min, np.nan),
     Stat("max", "maximum finite element", lambda r: r.max, np.nan),
-    Stat("l2", "sqrt(sum x^2) over the finite elements", lambda r: np.sqrt(r.sumsq), 0.0),
-    Stat("abs_mean", "mean |x| over the finite elements", lambda r: _ratio(r.abs_sum, r.nfinite), np.nan),
+    Stat("l2", "sqrt(sum x^2) over the finite elements", lambda r: _unscale(np.sqrt(r.sumsq), r), 0.0),
+    Stat(
+        "abs_mean",
+        "mean |x| over the finite elements",
+        lambda r: _unscale(_ratio(r.abs_sum, r.nfinite), r),
+        np.nan,
+    ),
     Stat(
         "zero_frac",
         "count(x == 0) / numel over all elements (NaN if numel == 0)",
@@ -165,6 +192,9 @@ def empty_raw(n: int) -> Array:
     return np.tile(np.array([f.empty for f in RAW_FIELDS], dtype=np.float64), (n, 1))
 
 
+_EXP = RAW_INDEX["exp"]
+
+
 def merge(a: Any, b: Any, xp: Any = np) -> Any:
     """Raw rows ``[..., N_RAW]`` of the union of two disjoint parts of the same tensors.
 
@@ -175,12 +205,20 @@ def merge(a: Any, b: Any, xp: Any = np) -> Any:
     """
     if xp is np:
         a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    # the part with the smaller exponent is brought to the larger one (2.0 ** (d <= 0)
+    # never overflows; it underflows only for a part negligible beside the other); a
+    # part without finite elements has no say
     na, nb = a[..., RAW_INDEX["nfinite"]], b[..., RAW_INDEX["nfinite"]]
+    ea, eb = a[..., _EXP], b[..., _EXP]
+    e = xp.maximum(xp.where(na > 0, ea, eb), xp.where(nb > 0, eb, ea))
+    a, b = rescale(a, e, xp), rescale(b, e, xp)
     sa, sb = a[..., RAW_INDEX["sum"]], b[..., RAW_INDEX["sum"]]
     cols = []
     for i, f in enumerate(RAW_FIELDS):
         ai, bi = a[..., i], b[..., i]
-        if f.merge is Merge.ADD:
+        if f.merge is Merge.EXP:
+            cols.append(e)
+        elif f.merge is Merge.ADD:
             cols.append(ai + bi)
         elif f.merge is Merge.MIN:
             cols.append(xp.minimum(ai, bi))
@@ -191,6 +229,21 @@ def merge(a: Any, b: Any, xp: Any = np) -> Any:
             delta = sb / xp.where(nb > 0, nb, 1.0) - sa / xp.where(na > 0, na, 1.0)
             cross = delta * delta * (na * nb) / xp.where(n > 0, n, 1.0)
             cols.append(ai + bi + xp.where((na > 0) & (nb > 0), cross, 0.0))
+    return xp.stack(cols, -1)
+
+
+def rescale(raw: Any, exp: Any, xp: Any = np) -> Any:
+    """Raw rows ``[..., N_RAW]`` with their :data:`SCALED` fields expressed in units of
+    ``2**exp`` (``exp`` broadcast over the rows; exact for powers of two unless a value
+    leaves the float range). ``xp``: the array namespace, as in :func:`merge`."""
+    f = 2.0 ** (raw[..., _EXP] - exp)
+    cols = []
+    for i, field in enumerate(RAW_FIELDS):
+        p = SCALED.get(field.name, 0)
+        if field.name == "exp":
+            cols.append(raw[..., i] * 0 + exp)
+        else:
+            cols.append(raw[..., i] if p == 0 else raw[..., i] * (f if p == 1 else f * f))
     return xp.stack(cols, -1)
 
 
@@ -247,18 +300,41 @@ def reference_raw_rows(arrays: Sequence[np.ndarray]) -> Array:
     """Numpy reference: raw rows ``[len(arrays), N_RAW]`` float64 of host arrays.
 
     Arrays up to 64k elements are concatenated and reduced with ``ufunc.reduceat`` (a
-    handful of passes whatever their number); larger ones one at a time.
+    handful of passes whatever their number); larger ones one at a time. An array whose
+    sums overflow float64 (``|x|`` beyond ~1e154) is reduced again scaled
+    (:data:`SCALED`).
     """
     out = empty_raw(len(arrays))
     small = [i for i, a in enumerate(arrays) if 0 < np.size(a) <= _SMALL]
-    for i, a in enumerate(arrays):
-        if np.size(a) > _SMALL:
-            out[i] = _raw_rows_flat([as_float(np.asarray(a)).ravel()])[0]
-        elif np.size(a) == 0:
-            as_float(np.asarray(a))  # dtype check
-    if small:
-        out[small] = _raw_rows_flat([as_float(np.asarray(arrays[i])).ravel() for i in small])
+    with np.errstate(over="ignore", invalid="ignore"):
+        for i, a in enumerate(arrays):
+            if np.size(a) > _SMALL:
+                out[i] = _raw_rows_flat([as_float(np.asarray(a)).ravel()])[0]
+            elif np.size(a) == 0:
+                as_float(np.asarray(a))  # dtype check
+        if small:
+            out[small] = _raw_rows_flat([as_float(np.asarray(arrays[i])).ravel() for i in small])
+        for j in np.flatnonzero(needs_scaling(out)):
+            i = int(j)
+            x = as_float(np.asarray(arrays[i])).ravel().astype(np.float64)
+            big = max(abs(out[i, RAW_INDEX["min"]]), abs(out[i, RAW_INDEX["max"]]))
+            e = int(np.frexp(big)[1])
+            row = _raw_rows_flat([np.where(np.isfinite(x), np.ldexp(x, -e), x)])[0]
+            for name in SCALED:
+                out[i, RAW_INDEX[name]] = row[RAW_INDEX[name]]
+            out[i, RAW_INDEX["exp"]] = e
     return out
+
+
+def needs_scaling(raw: Array) -> NDArray[np.bool_]:
+    """Rows ``[...]`` of unscaled raw rows to reduce again scaled (:data:`SCALED`): some
+    finite element, and the largest finite ``|x|`` reaches :data:`SCALE_FROM` or a
+    scaled field is not finite (the sums overflowed)."""
+    r = Raw(np.asarray(raw))
+    bad = np.maximum(np.abs(r.min), np.abs(r.max)) >= SCALE_FROM
+    for name in SCALED:
+        bad |= ~np.isfinite(getattr(r, name))
+    return bad & (r.nfinite > 0)
 
 
 def _raw_rows_flat(parts: list[np.ndarray]) -> Array:
@@ -282,6 +358,7 @@ def _raw_rows_flat(parts: list[np.ndarray]) -> Array:
         "abs_sum": np.add.reduceat(np.abs(xz), starts),
         "zeros": np.add.reduceat(x == 0, starts, dtype=np.float64),
         "nan": np.add.reduceat(np.isnan(x), starts, dtype=np.float64),
+        "exp": np.zeros(len(parts)),
     }
     return np.stack([cols[n] for n in RAW_NAMES], axis=1)
 

@@ -68,9 +68,28 @@ def _fast_sums(x: jax.Array) -> list[jax.Array]:
     return out
 
 
+def _pow2(k: jax.Array) -> jax.Array:
+    """``2.0**k`` as float32, exact, for int32 ``-126 <= k <= 127`` (built from its bits:
+    ``jnp.ldexp``/``exp2`` are not exact everywhere)."""
+    return jax.lax.bitcast_convert_type((k + 127) << 23, jnp.float32)
+
+
+def _scale_down(x: jax.Array, big: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(x * 2**-e, e)``, ``e`` the ``frexp`` exponent of ``big`` (the largest finite
+    ``|x|``; 0 if it is 0), so the scaled values are below 1 in magnitude and their float32
+    sums cannot overflow (:data:`traintape.schema.stats.SCALED`). Two exact power-of-two
+    factors, each a normal float32."""
+    _, e = jnp.frexp(big)
+    e = jnp.where(big > 0, e, 0).astype(jnp.int32)
+    half = e // 2
+    return x * _pow2(-half) * _pow2(half - e), e
+
+
 def _raw(x: jax.Array, fin: jax.Array | None) -> dict[str, jax.Array]:
     """Raw fields of flat float32 ``x`` by name (float32 values, int32 counts); ``fin``
-    masks finite elements (None: all are)."""
+    masks finite elements (None: all are, and the sums do not overflow — the caller
+    checks and comes back with ``fin``). With ``fin`` the sums are taken scaled
+    (``exp``: see :func:`_scale_down`)."""
     n = x.size
     if fin is None:
         s, s2, sabs, mn, mx, nonzero = _fast_sums(x)
@@ -78,27 +97,31 @@ def _raw(x: jax.Array, fin: jax.Array | None) -> dict[str, jax.Array]:
         nnan = jnp.int32(0)
         zeros = (n - jnp.round(nonzero)).astype(jnp.int32)
         shift = x[0]
+        e = jnp.int32(0)
     else:
-        xf = jnp.where(fin, x, 0.0)
-        shift = xf[0]
         nf = jnp.sum(fin, dtype=jnp.int32)
         nnan = jnp.sum(jnp.isnan(x), dtype=jnp.int32)
         zeros = jnp.sum(x == 0, dtype=jnp.int32)
-        d = jnp.where(fin, x - shift, 0.0)
-        s = jnp.sum(d)
-        s2 = jnp.sum(d * d)
-        sabs = jnp.sum(jnp.abs(xf))
         mn = _min(jnp.where(fin, x, jnp.inf))
         mx = _max(jnp.where(fin, x, -jnp.inf))
+        big = jnp.where(nf > 0, jnp.maximum(jnp.abs(mn), jnp.abs(mx)), 0.0)
+        xs, e = _scale_down(jnp.where(fin, x, 0.0), big)
+        shift = xs[0]
+        d = jnp.where(fin, xs - shift, 0.0)
+        s = jnp.sum(d)
+        s2 = jnp.sum(d * d)
+        sabs = jnp.sum(jnp.abs(xs))
     # s, s2: sums of d = x - c, c = the first (finite) element: no float32 cancellation
-    # when |mean| >> std.  m2 = s2 - s^2/n;  sum x = s + n c;  sum x^2 = s2 + 2 c s + n c^2
+    # when |mean| >> std.  m2 = s2 - s (s/n) (<= s2: finite when s2 is);  sum x = s + n c;
+    # sum x^2 = s2 + 2 c s + n c^2
     nff = nf.astype(jnp.float32)
     safe = jnp.maximum(nff, 1.0)
     return {
+        "exp": e.astype(jnp.float32),
         "numel": jnp.int32(n),
         "nfinite": nf,
         "sum": s + nff * shift,
-        "m2": jnp.maximum(s2 - s * s / safe, 0.0),
+        "m2": jnp.maximum(s2 - s * (s / safe), 0.0),
         "min": mn,
         "max": mx,
         "sumsq": jnp.maximum(s2 + shift * (2.0 * s + nff * shift), 0.0),
@@ -129,7 +152,7 @@ def _flat32(x: jax.Array) -> jax.Array:
 
 
 def _empty_row() -> jax.Array:
-    fields = {f.name: jnp.float32(f.empty) for f in RAW_FIELDS}
+    fields = {f.name: jnp.float32(f.empty) for f in RAW_FIELDS}  # exp: 0
     fields.update({n: jnp.int32(0) for n in COUNT_FIELDS})
     return _row(fields)
 

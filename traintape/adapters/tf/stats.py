@@ -41,21 +41,51 @@ def _stack(axis: int, **cols: Any) -> tf.Tensor:
     return tf.stack([tf.cast(cols[n], tf.float64) for n in RAW_NAMES], axis=axis)
 
 
+_BITS = {tf.float32: (tf.int32, 23, 0xFF, 127), tf.float64: (tf.int64, 52, 0x7FF, 1023)}
+
+
+def _exponent(big: tf.Tensor) -> tf.Tensor:
+    """int32 ``e`` with ``big * 2**-e < 1`` (``frexp``'s exponent, read from the bits;
+    0 for 0): the scale of :data:`traintape.schema.stats.SCALED`."""
+    it, mant, mask, bias = _BITS[big.dtype]
+    field = tf.cast(
+        tf.bitwise.bitwise_and(tf.bitwise.right_shift(tf.bitcast(big, it), mant), mask), tf.int32
+    )
+    return tf.where(big > 0, field - (bias - 1), 0)
+
+
+def _pow2(k: tf.Tensor, dt: tf.DType) -> tf.Tensor:
+    """Exact ``2.0**k`` in ``dt`` for int32 ``k`` within the normal range (from the bits)."""
+    it, mant, _, bias = _BITS[dt]
+    return tf.bitcast(tf.bitwise.left_shift(tf.cast(k + bias, it), tf.cast(mant, it)), dt)
+
+
+def _scaled(xz: tf.Tensor, e: tf.Tensor) -> tf.Tensor:
+    """``xz * 2**-e`` (``e`` broadcast to ``xz``) as two exact normal factors: every
+    finite value ends below 1 in magnitude, so no sum of them overflows."""
+    h = e // 2
+    return xz * _pow2(-h, xz.dtype) * _pow2(h - e, xz.dtype)
+
+
 def raw_row(x: Any) -> tf.Tensor:
     """Raw row ``[N_RAW]`` of one tensor (any shape; IndexedSlices are densified):
-    the exact masked two-pass computation (handles NaN/Inf)."""
+    the exact masked two-pass computation (handles NaN/Inf), sums taken scaled by the
+    largest finite ``|x|`` (``exp``; exact, never overflows)."""
     x = _flat(x)
     dt = x.dtype
     finite = tf.math.is_finite(x)
     nf = tf.reduce_sum(tf.cast(finite, dt))
     zero = tf.zeros_like(x)
     xz = tf.where(finite, x, zero)
+    e = _exponent(tf.reduce_max(tf.concat([tf.abs(xz), tf.zeros([1], dt)], 0)))
+    xz = _scaled(xz, e)
     s = tf.reduce_sum(xz)
     mean = tf.math.divide_no_nan(s, nf)
-    dev = tf.where(finite, x - mean, zero)
+    dev = tf.where(finite, xz - mean, zero)
     inf = tf.fill(tf.shape(x), tf.constant(float("inf"), dt))
     return _stack(
         0,
+        exp=e,
         numel=tf.size(x),
         nfinite=nf,
         sum=s,
@@ -87,7 +117,7 @@ def _fast_raw(x: tf.Tensor) -> tf.Tensor:
         return _stack(
             0, numel=n, nfinite=n, sum=s, m2=tf.maximum(var, 0.0) * n,
             min=tf.reduce_min(x), max=tf.reduce_max(x), sumsq=ss, abs_sum=asum,
-            zeros=n - nonzero, nan=tf.constant(0.0, tf.float64),
+            zeros=n - nonzero, nan=tf.constant(0.0, tf.float64), exp=tf.constant(0.0, tf.float64),
         )  # fmt: skip
 
     return tf.cond(ok, fast, lambda: raw_row(x))
@@ -106,12 +136,15 @@ def _segment_raw(xs: Sequence[tf.Tensor], sizes: Sequence[int]) -> tf.Tensor:
     nf = seg(tf.cast(finite, dt))
     zero = tf.zeros_like(x)
     xz = tf.where(finite, x, zero)
+    e = _exponent(tf.math.segment_max(tf.abs(xz), ids))  # sums taken scaled (SCALED)
+    xz = _scaled(xz, tf.gather(e, ids))
     s = seg(xz)
     mean = tf.math.divide_no_nan(s, nf)
-    dev = tf.where(finite, x - tf.gather(mean, ids), zero)
+    dev = tf.where(finite, xz - tf.gather(mean, ids), zero)
     inf = tf.fill(tf.shape(x), tf.constant(float("inf"), dt))
     return _stack(
         1,
+        exp=e,
         numel=tf.constant(np.asarray(sizes, np.float64)),
         nfinite=nf,
         sum=s,

@@ -34,6 +34,7 @@ reduction, hence the C kernel above.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -41,7 +42,7 @@ import torch
 
 from traintape.core import native
 from traintape.core import stats as host_stats
-from traintape.schema.stats import N_RAW, RAW_INDEX, RAW_NAMES, finalize
+from traintape.schema.stats import N_RAW, RAW_INDEX, RAW_NAMES, SCALE_FROM, SCALED, finalize
 
 SMALL = 1 << 16
 RAW = N_RAW
@@ -96,14 +97,22 @@ def _small_raw(xs: list[torch.Tensor]) -> torch.Tensor:
         abs_sum=seg(xz.abs()),
         zeros=seg((flat == 0).to(torch.float64)),
         nan=seg(torch.isnan(flat).to(torch.float64)),
+        exp=torch.zeros_like(nfin),
     )
 
 
-def _masked_raw(x: torch.Tensor) -> torch.Tensor:
-    """Exact, finite-masked raw row of one tensor (used when it holds NaN/Inf)."""
+def _masked_raw(x: torch.Tensor, scaled: bool = False) -> torch.Tensor:
+    """Exact, finite-masked raw row of one tensor (used when it holds NaN/Inf, or its sums
+    overflowed). ``scaled``: sums of ``x * 2**-e``, ``e`` the exponent of its largest
+    finite ``|x|`` (``exp``; :data:`traintape.schema.stats.SCALED`) — one host read."""
     x = x.reshape(-1)
     fin = torch.isfinite(x)
     xz = torch.where(fin, x, 0.0).to(torch.float64)
+    e = 0
+    if scaled:
+        e = math.frexp(float(xz.abs().max()) if x.numel() else 0.0)[1]
+        h = e // 2  # two exact power-of-two factors, each a normal float64
+        xz = xz * math.ldexp(1.0, -h) * math.ldexp(1.0, h - e)
     nfin = fin.sum().to(torch.float64)
     s = xz.sum()
     mean = torch.where(nfin > 0, s / nfin.clamp(min=1), 0.0)
@@ -120,6 +129,7 @@ def _masked_raw(x: torch.Tensor) -> torch.Tensor:
         abs_sum=xz.abs().sum(),
         zeros=(x == 0).sum().to(torch.float64),
         nan=torch.isnan(x).sum().to(torch.float64),
+        exp=torch.tensor(float(e), dtype=torch.float64, device=x.device),
         dim=0,
     )
 
@@ -138,10 +148,10 @@ def _large_raw(xs: list[torch.Tensor]) -> torch.Tensor:
     m2 = (sumsq - s * s / n).clamp(min=0.0)
     out = _stack(
         numel=n, nfinite=n, sum=s, m2=m2, min=mn, max=mx, sumsq=sumsq, abs_sum=l1,
-        zeros=n - nz, nan=torch.zeros_like(n),
+        zeros=n - nz, nan=torch.zeros_like(n), exp=torch.zeros_like(n),
     )  # fmt: skip
-    bad = ~torch.isfinite(l2)
-    if bool(bad.any()):  # rare: NaN/Inf present (or sum of squares overflowed)
+    bad = ~torch.isfinite(l2 + l1 + s)
+    if bool(bad.any()):  # rare: NaN/Inf present (or a float32 sum overflowed)
         for i in torch.nonzero(bad).flatten().tolist():
             out[i] = _masked_raw(xs[i])
     return out
@@ -197,7 +207,23 @@ def raw_stats(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
     if large:
         idx = torch.tensor(large, device=device)
         out.index_copy_(0, idx, _large_raw([xs[i] for i in large]))
+    if any(x.dtype == torch.float64 for x in xs):  # float64 sums can overflow (SCALED)
+        _rescale_overflowed(out, xs)
     return out
+
+
+def _rescale_overflowed(out: torch.Tensor, xs: list[torch.Tensor]) -> None:
+    """Recompute, scaled, the rows of ``out`` that :func:`traintape.schema.stats.
+    needs_scaling` picks (largest finite ``|x|`` from ``SCALE_FROM`` on, or overflowed
+    sums); one host read of a boolean per call."""
+    big = torch.maximum(out[:, MIN].abs(), out[:, MAX].abs())
+    bad = big >= SCALE_FROM
+    for name in SCALED:
+        bad |= ~torch.isfinite(out[:, RAW_INDEX[name]])
+    bad &= out[:, RAW_INDEX["nfinite"]] > 0
+    if bool(bad.any()):
+        for i in torch.nonzero(bad).flatten().tolist():
+            out[i] = _masked_raw(xs[i], scaled=True)
 
 
 def to_host(raw: torch.Tensor) -> np.ndarray:
