@@ -1,6 +1,6 @@
 """Record a LoRA fine-tune (PEFT) of a tiny GPT-2 built from config with ``Trainer``.
 
-Only the LoRA adapters get ``grad``/``update``: ``.../c_attn/lora_A/default/kernel``.
+Only the LoRA adapters get ``grad``/``update``: ``.../c_attn/lora_A/kernel``.
 
 python examples/peft_lora.py runs/peft_lora [steps]
 """

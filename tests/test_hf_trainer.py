@@ -189,7 +189,7 @@ def test_peft_lora_trainer_records_lora_grads_only(tmp_path) -> None:
     run = traintape.open_run(url)
     grads = run.tensor_names("grad")
     assert sorted(grads) == sorted(
-        f"transformer/h/{i}/attn/c_attn/lora_{ab}/default/kernel" for i in range(2) for ab in "AB"
+        f"transformer/h/{i}/attn/c_attn/lora_{ab}/kernel" for i in range(2) for ab in "AB"
     )
     assert set(run.tensor_names("update")) == set(grads)
     assert "transformer/h/0/attn/c_attn/base_layer/kernel" in run.tensor_names("param")

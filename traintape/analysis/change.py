@@ -9,15 +9,36 @@ Snapshots are read one tensor at a time.
 From **stats** (always available): per step ``t`` and layer, ``‖update_t‖₂ / ‖θ_t‖₂`` —
 the single-step relative change — in :func:`change_from_stats`.
 
-Components: ``attention/q|k|v|o`` (a tensor under a ``q``/``k``/``v``/``o`` sub-layer),
-``embedding`` (role embedding), ``norm`` (layer kinds *norm*, or roles scale/running_*,
-or a layer path segment containing "norm"/"ln"), ``mlp`` (everything else with a kernel or
-bias: dense, conv, recurrent).
+Components (:func:`component`, the rule every analysis shares), first match wins:
+
+- ``attention/q|k|v|o`` — a tensor of an attention projection layer, named by the last
+  segment of its layer path (:func:`attention_projection`): the canonical sub-layers
+  ``q``/``k``/``v``/``o`` (torch ``MultiheadAttention``, Flax, Keras) and the Hugging Face
+  names ``q_proj``/``k_proj``/``v_proj``/``o_proj``/``out_proj`` (Llama, Mistral, OPT,
+  BART, ...) and DistilBERT's ``q_lin``/``k_lin``/``v_lin``/``out_lin``, wherever they
+  are; BERT's ``query``/``key``/``value`` (``attention/self/query``), ``c_proj`` (GPT-2)
+  and ``dense`` (Falcon, Bloom) only in context: under a layer (``query``/``key``/
+  ``value``: one of the two above) whose name contains ``attn`` or ``attention``, so
+  an RL ``value`` head or GPT-2's ``mlp/c_proj`` stays ``mlp``; BERT's
+  ``attention/output/dense`` is ``o`` too;
+- ``attention/qkv`` — a fused q/k/v projection: GPT-2's ``c_attn``, ``qkv``,
+  ``qkv_proj`` (Phi-3), ``query_key_value`` (GPT-NeoX, Falcon), ``Wqkv`` (MPT);
+- ``embedding`` (role embedding), ``norm`` (layer kinds *norm*, roles scale/running_*,
+  or a layer path segment containing "norm" or named ln/ln1/ln2/ln_1/ln_2/ln_f);
+- ``mlp`` — everything else (dense, conv, recurrent): ``gate_proj``/``up_proj``/
+  ``down_proj``, GPT-2's ``c_fc`` and ``mlp/c_proj``, BERT's ``intermediate``/``output``
+  ``dense``.
+
+LoRA (PEFT, layer kind ``lora``): a tensor under ``<layer>/lora_A``, ``lora_B`` or
+``lora_magnitude`` is ``lora/<component of <layer>>`` (``lora/attention/q``); the
+frozen ``<layer>/base_layer`` tensors count as ``<layer>``'s component
+(``attention/q``).
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -30,7 +51,8 @@ from traintape.analysis._common import (
     layer_norms,
     layer_of,
 )
-from traintape.schema import Kind
+from traintape.schema import Kind, split_name
+from traintape.schema.roles import LORA, LORA_PARTS
 
 if TYPE_CHECKING:
     from traintape.core.reader import Run
@@ -39,19 +61,99 @@ if TYPE_CHECKING:
 DEFAULT_THRESHOLDS: tuple[float, ...] = (1e-8, 1e-6, 1e-4)
 
 
+PROJECTION_NAMES: dict[str, str] = {
+    **{p: p for p in ("q", "k", "v", "o")},
+    "q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "out_proj": "o",
+    "q_lin": "q", "k_lin": "k", "v_lin": "v", "out_lin": "o",
+    "c_attn": "qkv", "qkv": "qkv", "qkv_proj": "qkv", "query_key_value": "qkv", "Wqkv": "qkv",
+}  # fmt: skip
+"""Last layer segment → attention projection (``q``, ``k``, ``v``, ``o``; ``qkv`` fused),
+wherever the segment occurs; see :func:`attention_projection` for the contextual ones."""
+
+_QKV_WORDS = {"query": "q", "key": "k", "value": "v"}
+_PEFT_PARTS = frozenset((*LORA_PARTS, "base_layer"))
+_NORM_SEGMENTS = frozenset(("ln", "ln1", "ln2", "ln_1", "ln_2", "ln_f"))
+
+
+def _attention_like(segment: str) -> bool:
+    s = segment.lower()
+    return "attn" in s or "attention" in s
+
+
+def attention_projection(layer: str) -> str | None:
+    """The attention projection canonical layer path ``layer`` is: ``q``, ``k``, ``v``,
+    ``o``, ``qkv`` (a fused q/k/v projection), or None (see the module docstring).
+
+    ``blocks/0/attn/q`` → ``q``; ``model/layers/0/self_attn/k_proj`` → ``k``;
+    ``transformer/h/0/attn/c_attn`` → ``qkv``; ``transformer/h/0/attn/c_proj`` → ``o``
+    but ``transformer/h/0/mlp/c_proj`` → None; ``.../attention/output/dense`` → ``o``.
+    A LoRA sub-layer (``.../q_proj/lora_A``) is not a projection itself.
+    """
+    segs = layer.split("/") if layer else []
+    if not segs:
+        return None
+    leaf = segs[-1]
+    if leaf in PROJECTION_NAMES:
+        return PROJECTION_NAMES[leaf]
+    parent = segs[-2] if len(segs) >= 2 else ""
+    if leaf in _QKV_WORDS and any(_attention_like(s) for s in segs[-3:-1]):
+        return _QKV_WORDS[leaf]
+    if leaf in ("c_proj", "dense") and _attention_like(parent):
+        return "o"
+    if leaf == "dense" and parent == "output" and len(segs) >= 3 and _attention_like(segs[-3]):
+        return "o"
+    return None
+
+
+def qkv_groups(layers: Iterable[str]) -> dict[str, dict[str, str]]:
+    """Separate q/k/v projection layers grouped by the layer they sit in:
+    ``{parent layer: {"q": layer, "k": layer, "v": layer}}`` (those present).
+
+    The attention-imbalance check compares the grad norms of one group. Fused
+    projections (``attention/qkv``: GPT-2's ``c_attn``) form no group: their q, k and v
+    share one tensor, whose stats do not tell them apart.
+    """
+    out: dict[str, dict[str, str]] = {}
+    for layer in layers:
+        p = attention_projection(layer)
+        if p in ("q", "k", "v"):
+            out.setdefault(split_name(layer)[0], {})[p] = layer
+    return {k: {p: v[p] for p in "qkv" if p in v} for k, v in sorted(out.items())}
+
+
+def _is_norm(segs: list[str], role: str, layer_kind: str | None) -> bool:
+    if "norm" in (layer_kind or "") or role in ("scale", "running_mean", "running_var"):
+        return True
+    return any("norm" in s.lower() or s.lower() in _NORM_SEGMENTS for s in segs)
+
+
+def component(name: str, role: str | None = None, layer_kind: str | None = None) -> str:
+    """Component class of the parameter with canonical ``name`` (see the module
+    docstring); ``role`` defaults to the name's leaf."""
+    layer, leaf = split_name(name)
+    role = role or leaf
+    segs = layer.split("/") if layer else []
+    lora = layer_kind == LORA or any(s in LORA_PARTS for s in segs)
+    for i in range(len(segs) - 1, -1, -1):
+        if segs[i] in _PEFT_PARTS:  # the component of the layer PEFT wraps
+            layer_kind = None if segs[i] in LORA_PARTS else layer_kind
+            segs = segs[:i]
+            break
+    p = attention_projection("/".join(segs))
+    if p is not None:
+        base = f"attention/{p}"
+    elif role == "embedding" or layer_kind == "embedding":
+        base = "embedding"
+    elif _is_norm(segs, role, layer_kind):
+        base = "norm"
+    else:
+        base = "mlp"
+    return f"lora/{base}" if lora else base
+
+
 def component_of(spec: TensorSpec) -> str:
-    """Component class of a parameter (see module docstring)."""
-    segs = spec.name.split("/")
-    if len(segs) >= 2 and segs[-2] in ("q", "k", "v", "o"):
-        return f"attention/{segs[-2]}"
-    if spec.role == "embedding" or spec.layer_kind == "embedding":
-        return "embedding"
-    lk = spec.layer_kind or ""
-    if "norm" in lk or spec.role in ("scale", "running_mean", "running_var"):
-        return "norm"
-    if any("norm" in s.lower() or s.lower() in ("ln", "ln1", "ln2", "ln_f") for s in segs[:-1]):
-        return "norm"
-    return "mlp"
+    """Component class of a parameter (:func:`component` of its name, role and kind)."""
+    return component(spec.name, spec.role, spec.layer_kind)
 
 
 class ChangeStats(BaseModel):

@@ -10,6 +10,8 @@ model; a store resumed by this build is rewritten in the current version.
             set of :data:`~traintape.schema.roles.LayerKind`; canonical name segments
             are at most 200 characters
 1.2.0       ``producer.stats_backend`` (optional; older stores read it as None)
+1.3.0       layer kind ``lora`` (LoRA/DoRA adapters); older stores never use it, so
+            nothing is rewritten but the version
 ==========  ===============================================================
 """
 

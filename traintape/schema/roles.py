@@ -17,6 +17,12 @@ batch_norm      scale, bias,                (channels,)
 attention       q/k/v/o sub-layers, each a dense layer: ``<attn>/q/kernel`` (in, out)
 lstm, gru       kernel_ih, kernel_hh,       kernel_ih (in, G*hidden), kernel_hh
                 bias_ih, bias_hh            (hidden, G*hidden), bias_* (G*hidden,)
+lora            kernel (bias), embedding,   a low-rank adapter of the layer it wraps
+                magnitude                   (PEFT LoRA/DoRA): ``<layer>/lora_A/kernel``
+                                            (in, r), ``<layer>/lora_B/kernel`` (r, out),
+                                            ``<layer>/lora_A/embedding`` (vocab, r) of an
+                                            embedding, ``<layer>/lora_magnitude/magnitude``
+                                            (out,) (DoRA; channels-last for conv)
 ==============  ==========================  =========================================
 
 Recurrent gate order along the last axis of ``kernel_*``/``bias_*`` (G blocks of
@@ -40,12 +46,14 @@ KERNEL_IH: Final = "kernel_ih"
 KERNEL_HH: Final = "kernel_hh"
 BIAS_IH: Final = "bias_ih"
 BIAS_HH: Final = "bias_hh"
+MAGNITUDE: Final = "magnitude"
+"""DoRA's per-output magnitude vector (layer kind ``lora``)."""
 OUTPUT: Final = "output"
 """Role leaf of an activation: ``<layer path>/output``."""
 
 ROLES: Final[frozenset[str]] = frozenset(
     {KERNEL, BIAS, SCALE, EMBEDDING, RUNNING_MEAN, RUNNING_VAR, KERNEL_IH, KERNEL_HH, BIAS_IH,
-     BIAS_HH, OUTPUT}
+     BIAS_HH, MAGNITUDE, OUTPUT}
 )  # fmt: skip
 
 DENSE: Final = "dense"
@@ -58,10 +66,12 @@ BATCH_NORM: Final = "batch_norm"
 ATTENTION: Final = "attention"
 LSTM: Final = "lstm"
 GRU: Final = "gru"
+LORA: Final = "lora"
+"""A low-rank adapter (LoRA ``A``/``B`` factors, DoRA magnitude) of the layer it sits in."""
 
 LayerKind = Literal[
     "dense", "conv", "embedding", "layer_norm", "rms_norm", "group_norm", "batch_norm",
-    "attention", "lstm", "gru",
+    "attention", "lstm", "gru", "lora",
 ]  # fmt: skip
 """The closed set of canonical layer kinds (``TensorSpec.layer_kind``)."""
 
@@ -77,6 +87,7 @@ assert {
     ATTENTION,
     LSTM,
     GRU,
+    LORA,
 } == LAYER_KINDS
 
 LSTM_GATES: Final[tuple[str, ...]] = ("i", "f", "g", "o")
@@ -84,6 +95,10 @@ GRU_GATES: Final[tuple[str, ...]] = ("r", "z", "n")
 
 ATTENTION_PROJECTIONS: Final[tuple[str, ...]] = ("q", "k", "v", "o")
 """Sub-layer names of an attention layer; each holds a dense ``kernel`` (in, out)."""
+
+LORA_PARTS: Final[tuple[str, ...]] = ("lora_A", "lora_B", "lora_magnitude")
+"""Sub-layer names of a LoRA adapter inside the layer it wraps (``<layer>/lora_A``; an
+adapter other than PEFT's ``default`` adds its name: ``<layer>/lora_A/<adapter>``)."""
 
 ROLE_ALIASES: Final[dict[str, str]] = {
     "kernel": KERNEL,

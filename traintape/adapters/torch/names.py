@@ -19,7 +19,9 @@ HF ``transformers`` Conv1D (GPT-2)   ``kernel`` (in, out) = weight (stored (in, 
 Conv1d/2d/3d                         ``kernel`` (*K, in/groups, out) from (O, I/g, *K)
 Embedding                            ``embedding`` (V, D)
 LayerNorm, GroupNorm                 ``scale``, ``bias``
-RMSNorm                              ``scale``
+RMSNorm, a library's ``*RMSNorm``     ``scale`` (a class named ``*RMSNorm`` with one
+(``LlamaRMSNorm``, ...)              1-D ``weight``; stored value, also for Gemma's
+                                     ``1 + weight`` norms)
 BatchNorm1d/2d/3d, SyncBatchNorm     ``scale``, ``bias``, ``running_mean``,
                                      ``running_var`` (``num_batches_tracked`` dropped)
 MultiheadAttention                   ``q/kernel``, ``k/kernel``, ``v/kernel`` (in, out)
@@ -37,6 +39,14 @@ LSTM, GRU                            per layer ``kernel_ih`` (in, G*hidden) =
                                      index segment (``lstm/0/kernel_ih``); the reverse
                                      direction adds ``reverse`` (``lstm/0/reverse/...``);
                                      ``proj_size`` weights are ``kernel_hr`` (H, P)
+PEFT LoRA layer (``peft.tuners.lora``  ``lora_A/kernel`` (in, r), ``lora_B/kernel``
+``Linear``, ``Embedding``, ``Conv*``)  (r, out) in their module's layout (conv: conv
+                                     layout); embedding LoRA ``lora_A/embedding``
+                                     (vocab, r) = ``lora_embedding_A``.T and
+                                     ``lora_B/kernel`` (r, dim) = ``lora_embedding_B``.T;
+                                     DoRA ``lora_magnitude/magnitude`` (out,); layer
+                                     kind ``lora``. The wrapped ``base_layer`` keeps
+                                     its own rules: ``<layer>/base_layer/kernel``
 ===================================  ==============================================
 
 Any other module with parameters of its own keeps generic names (``path/<param name>``,
@@ -167,6 +177,26 @@ def _is_hf_conv1d(mod: nn.Module) -> bool:
     return t.__name__ == "Conv1D" and t.__module__ == "transformers.pytorch_utils"
 
 
+def _is_hf_rms_norm(mod: nn.Module) -> bool:
+    """A model library's own RMSNorm (``LlamaRMSNorm``, ``Qwen2RMSNorm``, ...: a class
+    named ``*RMSNorm`` whose only parameter is a 1-D ``weight``), matched by name."""
+    if not type(mod).__name__.endswith("RMSNorm"):
+        return False
+    own = dict(mod.named_parameters(recurse=False))
+    return set(own) == {"weight"} and own["weight"].ndim == 1
+
+
+def _is_peft_lora(mod: nn.Module) -> bool:
+    """A PEFT LoRA layer (``peft.tuners.lora.layer.Linear``, ``Embedding``, ``Conv2d``,
+    ...): ``lora_A``/``lora_B`` ModuleDicts keyed by adapter name. Matched by type path
+    and attributes, so peft is never imported here."""
+    return (
+        type(mod).__module__.startswith("peft.")
+        and isinstance(getattr(mod, "lora_A", None), nn.ModuleDict)
+        and isinstance(getattr(mod, "lora_B", None), nn.ModuleDict)
+    )
+
+
 def _plain_rules(mod: nn.Module) -> tuple[str | None, dict[str, tuple[str, str]]] | None:
     """(layer_kind, {torch attr: (role, layout)}) for simple module types, else None.
 
@@ -182,7 +212,7 @@ def _plain_rules(mod: nn.Module) -> tuple[str | None, dict[str, tuple[str, str]]
         return R.EMBED, {"weight": (R.EMBEDDING, "id")}
     if isinstance(mod, nn.LayerNorm):
         return R.LAYER_NORM, {"weight": (R.SCALE, "id"), "bias": (R.BIAS, "id")}
-    if _RMS_NORM is not None and isinstance(mod, _RMS_NORM):
+    if (_RMS_NORM is not None and isinstance(mod, _RMS_NORM)) or _is_hf_rms_norm(mod):
         return R.RMS_NORM, {"weight": (R.SCALE, "id")}
     if isinstance(mod, nn.GroupNorm):
         return R.GROUP_NORM, {"weight": (R.SCALE, "id"), "bias": (R.BIAS, "id")}
@@ -281,10 +311,13 @@ def unwrap(model: nn.Module) -> nn.Module:
     """Strip ``torch.compile``, (Distributed)DataParallel and PEFT wrappers.
 
     PEFT: a ``peft.PeftModel`` is replaced by the model it wraps
-    (``model.base_model.model``), so names drop ``base_model/model/``. LoRA layers keep
-    PEFT's module structure: the frozen base weight is ``<layer>/base_layer/kernel`` and
-    the adapters are ``<layer>/lora_A/<adapter>/kernel`` (in, r) and
-    ``<layer>/lora_B/<adapter>/kernel`` (r, out), dense layers in the (in, out) layout.
+    (``model.base_model.model``), so names drop ``base_model/model/`` (the names of the
+    model PEFT wrapped). LoRA layers keep PEFT's module structure: the frozen base
+    weight is ``<layer>/base_layer/kernel`` and the adapters are ``<layer>/lora_A/kernel``
+    (in, r) and ``<layer>/lora_B/kernel`` (r, out), layer kind ``lora``. The adapter
+    name is a segment only when it is not PEFT's ``default``
+    (``<layer>/lora_A/<adapter>/kernel``), as in the keys of PEFT's saved adapter files,
+    which drop it too.
     """
     while True:
         inner = getattr(model, "_orig_mod", None)
@@ -322,6 +355,9 @@ def model_layout(model: nn.Module, name_map: NameMap = None, warn: bool = True) 
             _attention(b, mod, segs, pre)
             consumed.add(id(mod.out_proj))
             b.site(segs, R.ATTENTION, mod, path)
+            continue
+        if _is_peft_lora(mod):
+            _lora(b, mod, segs, pre, consumed)  # then its base_layer as any module
             continue
         if isinstance(mod, (nn.LSTM, nn.GRU)):
             _recurrent(b, mod, segs, pre)
@@ -379,6 +415,56 @@ def _attention(b: _Builder, mod: nn.MultiheadAttention, segs: list[str], pre: st
     b.add([*segs, "o"], R.BIAS, R.DENSE, o, "bias", pre + "out_proj.bias", None)
     for extra in ("bias_k", "bias_v"):
         b.add(segs, extra, R.ATTENTION, mod, extra, pre + extra, None)
+
+
+def _adapter_segs(segs: list[str], part: str, adapter: str) -> list[str]:
+    """``<layer>/lora_A`` for PEFT's ``default`` adapter, else ``<layer>/lora_A/<adapter>``."""
+    return [*segs, part] if adapter == "default" else [*segs, part, adapter]
+
+
+def _lora(b: _Builder, mod: nn.Module, segs: list[str], pre: str, consumed: set[int]) -> None:
+    """The adapters of a PEFT LoRA layer (layer kind ``lora``, see :func:`unwrap`).
+
+    ``lora_A``/``lora_B`` modules (Linear, Conv) get their type's layout; an embedding's
+    ``lora_embedding_A`` (r, vocab) is ``lora_A/embedding`` (vocab, r) and its
+    ``lora_embedding_B`` (dim, r) is ``lora_B/kernel`` (r, dim); DoRA's
+    ``lora_magnitude_vector`` is ``lora_magnitude/magnitude`` (channels-last). An adapter
+    module of a type without rules is left to the generic path (and its warning).
+    """
+    for part in ("lora_A", "lora_B"):
+        for adapter, sub in getattr(mod, part).items():
+            rules = _plain_rules(sub)
+            if rules is None:
+                continue
+            consumed.add(id(sub))
+            asegs = _adapter_segs(segs, part, adapter)
+            src = f"{pre}{part}.{adapter}"
+            for n, t, is_buf in _own_tensors(sub):
+                role, layout = rules[1].get(n, (n, "id"))
+                perm = _layout_perm(layout, t.ndim)
+                b.add(asegs, role, R.LORA, sub, n, f"{src}.{n}", perm, None, is_buf)
+            b.site(asegs, R.LORA, sub, src)
+    for attr, part, role in (
+        ("lora_embedding_A", "lora_A", R.EMBEDDING),
+        ("lora_embedding_B", "lora_B", R.KERNEL),
+    ):
+        pd = getattr(mod, attr, None)
+        if isinstance(pd, nn.ParameterDict) and len(pd):
+            consumed.add(id(pd))
+            for adapter in pd:
+                b.add(_adapter_segs(segs, part, adapter), role, R.LORA, pd, adapter,
+                      f"{pre}{attr}.{adapter}", (1, 0))  # fmt: skip
+    mags = getattr(mod, "lora_magnitude_vector", None)
+    if isinstance(mags, nn.ModuleDict):
+        for adapter, sub in mags.items():
+            own = dict(sub.named_parameters(recurse=False))
+            if set(own) != {"weight"}:
+                continue
+            consumed.add(id(sub))
+            nd = own["weight"].ndim
+            perm = (0, *range(2, nd), 1) if nd >= 3 else None  # conv DoRA: (1, O, 1, 1)
+            b.add(_adapter_segs(segs, "lora_magnitude", adapter), R.MAGNITUDE, R.LORA, sub,
+                  "weight", f"{pre}lora_magnitude_vector.{adapter}.weight", perm)  # fmt: skip
 
 
 def _recurrent(b: _Builder, mod: nn.RNNBase, segs: list[str], pre: str) -> None:
