@@ -24,6 +24,10 @@ Detectors (thresholds in :class:`AnomalyThresholds`, defaults in parentheses):
   every example of the probe batch is given as evidence.
 - ``stalled``: the loss changed by less than ``stall_rel`` (1e-4, relative) over the last
   ``stall_window`` (20) steps while not near zero.
+- ``memory_spike``: a system memory metric (``sys/rss_bytes``, ``sys/gpu_mem_allocated_bytes``,
+  ``sys/gpu_mem_reserved_bytes``; :mod:`traintape.core.system`) jumps above its rolling
+  median by more than ``memory_spike_frac`` (0.2) of it with robust z above ``z``, after
+  the warm-up; one warning per episode (consecutive rows above), at its first step.
 """
 
 from __future__ import annotations
@@ -80,6 +84,9 @@ class AnomalyThresholds(BaseModel):
     stall_window: int = Field(20, ge=2)
     stall_rel: float = 1e-4
     loss_metric: str = "loss"
+    memory_spike_frac: float = Field(
+        0.2, gt=0, description="a memory spike exceeds the rolling median by this fraction"
+    )
 
 
 class Anomaly(BaseModel):
@@ -346,6 +353,8 @@ def anomalies(
                         )
                     )
 
+    found += _memory_spikes(run, th)
+
     if Kind.ACTIVATION in kinds:
         steps, layers, zf = layer_stat(run, Kind.ACTIVATION, "zero_frac", "max", cache)
         meds = column_median(zf)
@@ -376,6 +385,42 @@ def anomalies(
     found.sort(key=lambda a: a.step)  # stable: keeps the non-finite priority order
     first = nonfinite[0] if nonfinite else None  # documented priority (kind flow, forward order)
     return AnomalyReport(url=run.url, anomalies=found, first_nonfinite=first, thresholds=th)
+
+
+_MEMORY = ("sys/rss_bytes", "sys/gpu_mem_allocated_bytes", "sys/gpu_mem_reserved_bytes")
+
+
+def _memory_spikes(run: Run, th: AnomalyThresholds) -> list[Anomaly]:
+    """``memory_spike`` anomalies of the system memory metrics (see module docstring)."""
+    sysm = run.system()
+    out: list[Anomaly] = []
+    for name in (n for n in _MEMORY if n in sysm.columns):
+        x = sysm[name].to_numpy(dtype=np.float64)
+        z, med = robust_z_median(x[:, None], th.window, th.min_history)
+        z, med = z[:, 0], med[:, 0]
+        with np.errstate(invalid="ignore"):
+            hit = (np.nan_to_num(z) > th.z) & (x > med * (1.0 + th.memory_spike_frac))
+        starts = np.flatnonzero(hit & ~np.concatenate(([False], hit[:-1])))
+        for i in starts:
+            end = i
+            while end + 1 < len(hit) and hit[end + 1]:
+                end += 1
+            out.append(
+                Anomaly(
+                    type="memory_spike",
+                    step=int(sysm.index[i]),
+                    severity=Severity.WARNING,
+                    message=f"{name} jumped to {x[i] / 2**20:.0f} MiB, "
+                    f"{x[i] / med[i]:.2f}x its rolling median ({med[i] / 2**20:.0f} MiB), "
+                    f"for {end - i + 1} row(s)",
+                    evidence=_ev(
+                        metric=name, value=float(x[i]), rolling_median=float(med[i]),
+                        z=float(z[i]), rows=int(end - i + 1),
+                        peak=float(np.max(x[i : end + 1])),
+                    ),
+                )
+            )  # fmt: skip
+    return out
 
 
 def _dead_units(run: Run, name: str) -> float | None:

@@ -18,7 +18,8 @@ import tensorstore as ts
 from traintape.core import layout as L
 from traintape.core.errors import NotAStoreError
 from traintape.core.kvstore import local_path, normalize_url
-from traintape.core.store import open_array, read_manifest
+from traintape.core.store import inspect_location, open_array, read_manifest
+from traintape.core.system import is_system
 from traintape.schema import STAT_NAMES, Event, Kind, Manifest, TensorSpec
 
 if TYPE_CHECKING:
@@ -33,9 +34,10 @@ def open_run(url: str | os.PathLike[str]) -> Run:
         SchemaVersionError: the store was written by a newer major schema version.
     """
     u = normalize_url(url)
-    path = local_path(u)
-    if path is not None and not os.path.isdir(path):
-        raise NotAStoreError(f"no traintape store at {path}: directory does not exist")
+    if local_path(u) is not None:  # a remote location is diagnosed by its manifest read
+        loc = inspect_location(u)
+        if not loc.exists:
+            raise NotAStoreError(f"no traintape store at {loc.path}: directory does not exist")
     return Run(u)
 
 
@@ -145,9 +147,20 @@ class Run:
 
     # ------------------------------------------------------------------ metrics/events
     def metrics(self) -> pd.DataFrame:
-        """Scalar metrics, a DataFrame indexed by ``step`` (a column per metric)."""
+        """Scalar training metrics (what was logged: loss, learning rate, ...), a
+        DataFrame indexed by ``step`` (a column per metric; rows where none was logged
+        left out). System metrics are in :meth:`system`."""
+        return self._metric_frame([n for n in self.manifest.metrics if not is_system(n)])
+
+    def system(self) -> pd.DataFrame:
+        """System metrics (``sys/time``, ``sys/step_time``, ``sys/rss_bytes``, ...; see
+        :mod:`traintape.core.system`), a DataFrame indexed by ``step``; empty for a run
+        recorded without them."""
+        return self._metric_frame([n for n in self.manifest.metrics if is_system(n)])
+
+    def _metric_frame(self, names: list[str]) -> pd.DataFrame:
         cols = {}
-        for name in self.manifest.metrics:
+        for name in names:
             cols[name] = np.asarray(self.array(L.metric_path(name))[: self.rows].read().result())
         df = pd.DataFrame(cols, index=pd.Index(self.steps, name="step"))
         return df.dropna(how="all") if len(df.columns) else df

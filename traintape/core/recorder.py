@@ -39,19 +39,29 @@ from traintape.core.errors import (
 )
 from traintape.core.group import ProcessGroup, check_group, detect
 from traintape.core.inputs import check_array, check_metric, check_step, check_user
-from traintape.core.kvstore import KvStore, local_path, normalize_url
+from traintape.core.kvstore import KvStore, normalize_url
 from traintape.core.registry import TensorRegistry
 from traintape.core.rows import NonfiniteEvents, RowState
 from traintape.core.stats import backend as host_backend
 from traintape.core.stats import raw_rows as host_raw_rows
-from traintape.core.store import read_manifest, storage_dtype, write_manifest
-from traintape.core.writer import Part, PartWriter, Snapshot, StoreWriter, clear_progress
+from traintape.core.store import (
+    LocationKind,
+    inspect_location,
+    read_manifest,
+    remove_leftovers,
+    storage_dtype,
+    write_manifest,
+)
+from traintape.core.system import PREFIX as SYSTEM_PREFIX
+from traintape.core.system import SystemSampler, is_system
+from traintape.core.writer import Part, PartWriter, Row, Snapshot, StoreWriter, clear_progress
 from traintape.schema import (
     N_RAW,
     N_STATS,
     RAW_NAMES,
     CapturePolicy,
     Event,
+    EventType,
     Kind,
     Manifest,
     Producer,
@@ -106,6 +116,12 @@ class Recorder:
             moves back in one write and a ``rewind`` event names the copy
             (:mod:`traintape.core.rewind`). Recording continues at step N. None (default):
             append after the last committed step.
+        system_metrics: record system metrics on every row (``sys/time``, step time,
+            CPU, RSS, host memory, GPU memory/utilisation where present; sampled off the
+            training thread — :mod:`traintape.core.system`); True samples every second,
+            a number every that many seconds, False records none. Process 0's.
+        samples_per_step: training samples per optimizer step (the global batch size),
+            for ``sys/samples_per_s``.
     """
 
     policy: CapturePolicy
@@ -129,7 +145,19 @@ class Recorder:
         claim_stale_after: float = STALE_AFTER,
         process_group: ProcessGroup | None = None,
         resume_step: int | None = None,
+        system_metrics: bool | float = True,
+        samples_per_step: int | None = None,
     ) -> None:
+        interval = 1.0 if system_metrics is True else float(system_metrics)
+        if system_metrics is not False and not interval > 0:
+            raise ValueError(
+                f"system_metrics must be a bool or seconds > 0, got {system_metrics!r}"
+            )
+        if samples_per_step is not None and (
+            isinstance(samples_per_step, bool) or not isinstance(samples_per_step, int)
+            or samples_per_step <= 0
+        ):  # fmt: skip
+            raise ValueError(f"samples_per_step must be a positive int, got {samples_per_step!r}")
         if flush_every_steps < 1:
             raise ValueError(f"flush_every_steps must be >= 1, got {flush_every_steps}")
         if flush_every_seconds <= 0:
@@ -168,10 +196,16 @@ class Recorder:
                 self._open_as_follower(*args)
         if failure is not None:
             raise failure
+        self._system: SystemSampler | None = None
+        if system_metrics is not False and self.group.index == 0:
+            self._system = SystemSampler(
+                interval, samples_per_step, bytes_written=self._writer.bytes_written
+            )
+            self._rows.on_open = self._system_row
         if self._claim is not None and self._claim.took_over is not None:
             self.event(
                 self._rows.last_sealed or 0,
-                "note",
+                EventType.NOTE,
                 f"took over the writer claim of a dead or silent writer "
                 f"({self._claim.took_over.describe()})",
                 severity=Severity.WARNING,
@@ -199,6 +233,7 @@ class Recorder:
         self._nonfinite = NonfiniteEvents(m.events)
         self._closed = False
         self._sync_hooks = []
+        self._skipped: set[tuple[int, Kind]] = set()  # snapshot_skipped events given
 
     def _open_as_follower(
         self, policy: CapturePolicy | None, run_id: str | None, *args: Any
@@ -355,6 +390,68 @@ class Recorder:
         if not self._computing:
             return StepPlan(step=step, kinds=frozenset(), snapshot_kinds=frozenset())
         return self.policy.plan(step)
+
+    def snapshots(self, step: int, kind: Kind | str) -> bool:
+        """Whether to hand over full tensors of ``kind`` at ``step``: a full-capture step
+        of the policy, within the snapshot memory budget (``policy.snapshot_budget_bytes``
+        / ``snapshot_budget_fraction``). Adapters ask this before copying anything to the
+        host; a capture over the budget is skipped here, with a ``snapshot_skipped``
+        event. The stat vectors of the step are recorded either way."""
+        kind = Kind(kind)
+        if not self._computing or not self.policy.snapshots(step, kind):
+            return False
+        with self._lock:
+            return self._within_budget(step, kind, self._snapshot_estimate(kind))
+
+    def _budget(self) -> int | None:
+        """The snapshot memory budget now (bytes), or None. Not applied in multi-process
+        jobs (every process must write the same snapshots)."""
+        p = self.policy
+        if self.group.count > 1 or (
+            p.snapshot_budget_bytes is None and p.snapshot_budget_fraction is None
+        ):
+            return None
+        limits = [] if p.snapshot_budget_bytes is None else [p.snapshot_budget_bytes]
+        if p.snapshot_budget_fraction is not None:
+            import psutil
+
+            limits.append(int(p.snapshot_budget_fraction * psutil.virtual_memory().available))
+        return min(limits)
+
+    def _snapshot_estimate(self, kind: Kind) -> int:
+        """Bytes of a full capture of ``kind`` (declared shapes; tensors whose size is not
+        known yet — an activation before its first snapshot — count 0)."""
+        total = 0
+        for spec in self._tensors.specs(kind).values():
+            dims = [d for d in (spec.snapshot_shape or spec.shape) if d is not None]
+            if len(dims) == len(spec.snapshot_shape or spec.shape):
+                total += int(np.prod(dims, dtype=np.int64)) * storage_dtype(spec.dtype).itemsize
+        return total
+
+    def _within_budget(self, step: int, kind: Kind, nbytes: int) -> bool:
+        """True if ``nbytes`` more of snapshots fit the budget; else False and (once per
+        step and kind) a ``snapshot_skipped`` event. Under ``_lock``."""
+        budget = self._budget()
+        if budget is None:
+            return True
+        pending = getattr(self._writer, "pending_bytes", 0)
+        if pending + nbytes <= budget:
+            return True
+        if (step, kind) not in self._skipped:
+            self._skipped.add((step, kind))
+            self._manifest.events.append(
+                Event(
+                    step=step,
+                    type=EventType.SNAPSHOT_SKIPPED,
+                    severity=Severity.WARNING,
+                    kind=kind,
+                    message=f"full capture of {kind.value} at step {step} skipped: "
+                    f"{nbytes / 2**20:.1f} MiB more would exceed the snapshot memory budget "
+                    f"of {budget / 2**20:.1f} MiB ({pending / 2**20:.1f} MiB still pending)",
+                    data={"bytes": nbytes, "pending_bytes": pending, "budget_bytes": budget},
+                )
+            )
+        return False
 
     def record(self, step: int, kind: Kind | str, tensors: Mapping[str, ArrayLike]) -> bool:
         """Record host (numpy) tensors of one kind at optimizer step ``step``.
@@ -536,26 +633,43 @@ class Recorder:
         checked = {
             self._tensors.valid(name): check_metric(name, v, step) for name, v in values.items()
         }
+        if any(is_system(n) for n in checked):
+            raise RecordError(
+                f"metric names under {SYSTEM_PREFIX!r} are traintape's system metrics: "
+                f"{sorted(n for n in checked if is_system(n))}; choose another name"
+            )
+        self._log_checked(step, checked)
+
+    def _log_checked(self, step: int, checked: Mapping[str, float]) -> None:
+        """Checked metrics (system ones too: a copied run's) into the row of ``step``."""
         if not self._guard():
             return
         with self._lock:
-            new = [n for n in checked if n not in self._manifest.metrics]
-            if new:
-                check_no_prefix_clash([*self._manifest.metrics, *new])
-            row = self._rows.row_for(step)
-            for name, fv in checked.items():
-                if name not in self._manifest.metrics:
-                    self._manifest.metrics = sorted([*self._manifest.metrics, name])
-                row.metrics[name] = fv
-                ev = self._nonfinite.of_metric(step, name, fv)
-                if ev is not None:
-                    self._manifest.events.append(ev)
+            self._put_metrics(self._rows.row_for(step), checked)
         self._drain()
+
+    def _put_metrics(self, row: Row, values: Mapping[str, float]) -> None:
+        """Metrics into ``row`` (names registered, non-finite values evented); under
+        ``_lock``, names already checked."""
+        new = [n for n in values if n not in self._manifest.metrics]
+        if new:
+            check_no_prefix_clash([*self._manifest.metrics, *new])
+            self._manifest.metrics = sorted([*self._manifest.metrics, *new])
+        for name, fv in values.items():
+            row.metrics[name] = fv
+            ev = self._nonfinite.of_metric(row.step, name, fv)
+            if ev is not None:
+                self._manifest.events.append(ev)
+
+    def _system_row(self, row: Row) -> None:
+        """RowState hook: the system metrics of a newly opened row (under ``_lock``)."""
+        if self._system is not None:
+            self._put_metrics(row, self._system.row_metrics(row.step))
 
     def event(
         self,
         step: int,
-        type: str,
+        type: EventType | str,
         message: str = "",
         *,
         severity: Severity | str = Severity.INFO,
@@ -563,16 +677,27 @@ class Recorder:
         kind: Kind | str | None = None,
         **data: float | int | str,
     ) -> None:
-        """Add an event (a note, an anomaly) at ``step``; committed with the next rows."""
-        ev = Event(
-            step=step,
-            type=type,
-            severity=Severity(severity),
-            tensor=tensor,
-            kind=Kind(kind) if kind is not None else None,
-            message=message,
-            data=dict(data),
-        )
+        """Add an event at ``step``; committed with the next rows.
+
+        ``type``: ``"note"`` (or another :class:`~traintape.schema.EventType`), or
+        ``"user/<name>"`` for an event type of your own (e.g. ``"user/lr_drop"``).
+        Raises RecordError naming the field at fault.
+        """
+        step = check_step(step)
+        try:
+            ev = Event(
+                step=step,
+                type=type,
+                severity=Severity(severity),
+                tensor=tensor,
+                kind=Kind(kind) if kind is not None else None,
+                message=message,
+                data=dict(data),
+            )
+        except ValueError as e:  # pydantic's ValidationError, a bad Severity/Kind
+            errors = getattr(e, "errors", None)
+            why = "; ".join(str(x["msg"]) for x in errors()) if callable(errors) else str(e)
+            raise RecordError(f"event at step {step}: {why}") from None
         with self._lock:
             self._manifest.events.append(ev)
 
@@ -604,6 +729,12 @@ class Recorder:
             raise RecordError(f"kind {kind.value} already recorded at step {step}")
         owned: dict[str, np.ndarray | Part] = {}
         shapes: dict[str, list[int]] = {}
+        if (
+            snaps
+            and self._budget() is not None  # (none in multi-process jobs: no Parts here)
+            and not self._within_budget(step, kind, sum(int(np.asarray(a).nbytes) for a in snaps.values()))
+        ):  # fmt: skip
+            snaps = None
         if snaps:
             specs = self._tensors.specs(kind)
             for n, a in snaps.items():
@@ -686,6 +817,8 @@ class Recorder:
         self._drain()
         with self._lock:
             self._closed = True
+        if self._system is not None:
+            self._system.close()
         self._writer.close()
         self._writer.release_claim()  # (a follower holds none)
         if err is not None:
@@ -762,16 +895,6 @@ def _check_against_spec(spec: TensorSpec, a: np.ndarray, step: int) -> None:
         )
 
 
-_OURS = (".traintape",)
-"""Entries of a store location that are the writer claim's, not data."""
-
-
-def _leftover(name: str) -> bool:
-    """Lock files of a write that never finished (e.g. ``zarr.json.__lock`` of a store
-    whose creation was killed)."""
-    return name.endswith(".__lock")
-
-
 def _prepare_location(url: str, *, clean_leftovers: bool = False) -> Manifest | None:
     """Check the location before training starts; return the manifest if resuming.
 
@@ -779,42 +902,29 @@ def _prepare_location(url: str, *, clean_leftovers: bool = False) -> Manifest | 
     is a new store (``clean_leftovers``: those lock files are removed — call it only
     while holding the writer claim).
     """
-    path = local_path(url)
-    if path is not None:
-        if os.path.exists(path) and not os.path.isdir(path):
-            raise StoreError(f"{path} exists and is not a directory")
-        if not os.path.isdir(path):  # to be created: its nearest existing parent is written
-            probe = os.path.dirname(path.rstrip("/")) or "/"
-            while not os.path.exists(probe):
-                probe = os.path.dirname(probe)
-            if not os.path.isdir(probe):
-                raise StoreError(f"cannot create a store at {path}: {probe} is not a directory")
-            if not os.access(probe, os.W_OK):
-                raise StoreError(f"cannot create a store at {path}: {probe} is not writable")
-            return None
-        if not os.access(path, os.W_OK):
-            raise StoreError(f"cannot write the store at {path}: the directory is not writable")
-        entries = [e for e in os.listdir(path) if e not in _OURS]
-        if os.path.exists(os.path.join(path, "zarr.json")):
-            return read_manifest(url)
-        data = [e for e in entries if not _leftover(e)]
-        if data:
-            raise StoreError(
-                f"{path} is not empty and is not a traintape store (found {sorted(data)[:5]}); "
-                f"choose an empty or new directory"
-            )
-        if clean_leftovers:
-            for e in entries:
-                os.unlink(os.path.join(path, e))
+    loc = inspect_location(url)
+    path = loc.path
+    if loc.kind is LocationKind.NOT_A_DIRECTORY:
+        raise StoreError(f"{path} exists and is not a directory")
+    if loc.kind is LocationKind.MISSING:  # to be created: its nearest existing parent is written
+        if not loc.parent_is_dir:
+            raise StoreError(f"cannot create a store at {path}: {loc.parent} is not a directory")
+        if not loc.writable:
+            raise StoreError(f"cannot create a store at {path}: {loc.parent} is not writable")
         return None
-    kv = KvStore(url)
-    if kv.read_bytes("zarr.json") is not None:
+    if loc.writable is False:
+        raise StoreError(f"cannot write the store at {path}: the directory is not writable")
+    if loc.kind is LocationKind.STORE:
         return read_manifest(url)
-    keys = [k for k in kv.list() if not k.startswith(tuple(o + "/" for o in _OURS))]
-    data = [k for k in keys if not _leftover(k)]
-    if data:
-        raise StoreError(f"{url} is not empty and is not a traintape store (found {data[:5]})")
+    if loc.kind is LocationKind.FOREIGN:
+        if path is None:
+            raise StoreError(
+                f"{url} is not empty and is not a traintape store (found {list(loc.foreign)})"
+            )
+        raise StoreError(
+            f"{path} is not empty and is not a traintape store (found {list(loc.foreign)}); "
+            f"choose an empty or new directory"
+        )
     if clean_leftovers:
-        for k in keys:
-            kv.delete(k)
+        remove_leftovers(loc)
     return None

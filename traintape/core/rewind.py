@@ -25,10 +25,10 @@ import numpy as np
 from traintape.core.kvstore import KvStore, join
 from traintape.core.reader import Run
 from traintape.core.store import read_manifest
-from traintape.schema import Event, Kind, Manifest, Severity
+from traintape.schema import Event, EventType, Kind, Manifest, Severity
 
 ABANDONED = "abandoned"
-REWIND = "rewind"
+REWIND = EventType.REWIND
 
 
 def abandoned_url(url: str, k: int) -> str:
@@ -102,11 +102,11 @@ def _copy_rows(run: Run, start: int, dest: str, run_id: str) -> None:
     steps = run.steps[start:]
     first = int(steps[0])
     rec = Recorder(dest, m.policy, run_id=run_id, producer=m.producer, user=dict(m.user),
-                   flush_every_steps=m.layout.row_chunk)  # fmt: skip
+                   flush_every_steps=m.layout.row_chunk, system_metrics=False)  # fmt: skip
     try:
         rec.declare([s.model_copy() for s in m.tensors], in_forward_order=False)
         stats = {k: run.stats_array(k, rows=slice(start, run.rows)) for k in m.kinds()}
-        metrics = run.metrics().loc[first:] if m.metrics else None
+        metrics = run.metrics().join(run.system(), how="outer").loc[first:] if m.metrics else None
         snap_at = {
             k: set(int(s) for s in run.snapshot_steps(m.specs(k)[0].name, k))
             for k in m.commit.snapshots
@@ -123,9 +123,9 @@ def _copy_rows(run: Run, start: int, dest: str, run_id: str) -> None:
                              for n in names}  # fmt: skip
                 rec.record_stats(t, kind, vecs, names=names, snapshots=snaps)
             if metrics is not None and t in metrics.index:
-                row = {k: float(v) for k, v in metrics.loc[t].items() if not np.isnan(v)}
+                row = {str(k): float(v) for k, v in metrics.loc[t].items() if not np.isnan(v)}
                 if row:
-                    rec.log(t, row)
+                    rec._log_checked(t, row)  # system metrics too: the original run's
         for e in m.events:  # first NaN/Inf events are found again by the copy itself
             if e.step >= first and e.type not in ("nan", "inf"):
                 rec.event(e.step, e.type, e.message, severity=e.severity, tensor=e.tensor,

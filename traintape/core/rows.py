@@ -9,12 +9,14 @@ Recorder holds its lock.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from traintape.core.errors import RecordError
 from traintape.core.inputs import check_step
 from traintape.core.writer import Row, Snapshot
-from traintape.schema import STAT_INDEX, Event, Kind, Severity
+from traintape.schema import STAT_INDEX, Event, EventType, Kind, Severity
 
 _NAN, _INF = STAT_INDEX["nan_count"], STAT_INDEX["inf_count"]
 
@@ -27,6 +29,8 @@ class RowState:
         self.row: Row | None = None
         self.last_sealed = last_committed_step
         self.outbox: list[Row | Snapshot] = []
+        self.on_open: Callable[[Row], None] | None = None
+        """Called with each newly opened row (the Recorder's system metrics)."""
 
     def row_for(self, step: int) -> Row:
         """The open row of ``step`` (sealing an earlier open row); raises RecordError
@@ -48,6 +52,8 @@ class RowState:
         if row is not None:
             self.seal()
         self.row = Row(step)
+        if self.on_open is not None:
+            self.on_open(self.row)
         return self.row
 
     def seal(self) -> None:
@@ -77,7 +83,7 @@ class NonfiniteEvents:
         if not (nan.any() or inf.any()):  # the common case (counts are >= 0)
             return []
         out = []
-        for typ, counts in (("nan", nan), ("inf", inf)):
+        for typ, counts in ((EventType.NAN, nan), (EventType.INF, inf)):
             for i in np.flatnonzero(counts > 0):
                 ev = self._first(step, typ, kind, names[i], int(counts[i]))
                 if ev is not None:
@@ -87,10 +93,10 @@ class NonfiniteEvents:
     def of_metric(self, step: int, name: str, value: float) -> Event | None:
         if np.isfinite(value):
             return None
-        return self._first(step, "nan" if np.isnan(value) else "inf", None, name)
+        return self._first(step, EventType.NAN if np.isnan(value) else EventType.INF, None, name)
 
     def _first(
-        self, step: int, typ: str, kind: Kind | None, name: str, count: int | None = None
+        self, step: int, typ: EventType, kind: Kind | None, name: str, count: int | None = None
     ) -> Event | None:
         key = (typ, str(kind), name)
         if key in self.seen:

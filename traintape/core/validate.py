@@ -21,7 +21,7 @@ import tensorstore as ts
 from traintape.core import layout as L
 from traintape.core.errors import NotAStoreError
 from traintape.core.kvstore import KvStore, local_path, normalize_url
-from traintape.core.store import open_array, read_manifest, storage_dtype
+from traintape.core.store import inspect_location, open_array, read_manifest, storage_dtype
 from traintape.schema import N_STATS, Kind, Manifest, SchemaVersionError
 
 
@@ -54,10 +54,11 @@ def validate(
     """
     u = normalize_url(url)
     report = ValidationReport(u)
-    path = local_path(u)
-    if path is not None and not os.path.isdir(path):
-        report.problems.append(f"{path}: no such directory")
-        return report
+    if local_path(u) is not None:  # a remote location is diagnosed by its manifest read
+        loc = inspect_location(u)
+        if not loc.exists:
+            report.problems.append(f"{loc.path}: no such directory")
+            return report
     try:
         m = read_manifest(u)
     except (NotAStoreError, SchemaVersionError) as e:

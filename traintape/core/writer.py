@@ -82,6 +82,52 @@ class Snapshot:
     tensors: dict[str, np.ndarray | Part]
 
 
+@dataclass(frozen=True)
+class _CommitPlan:
+    """What one commit of :class:`StoreWriter` writes, decided before anything is
+    (:meth:`StoreWriter._plan`)."""
+
+    manifest: Manifest
+    """The Recorder's manifest as of the plan; the commit step sets its commit mark."""
+    rows: slice
+    """The new rows ``[committed, committed + buffered)`` of every row-axis array."""
+    last_step: int | None
+    """The step of the last row the commit mark will cover."""
+    capacity: int
+    """Row capacity of the row arrays after this commit (whole ``row_block`` s)."""
+    create: dict[str, dict[str, Any]]
+    """Row arrays to create (path → metadata at ``capacity``): not vouched for by the
+    committed manifest nor created by this writer."""
+    grow: tuple[str, ...]
+    """Existing row arrays too short for ``rows``: resized to ``capacity``."""
+    blocks: dict[str, np.ndarray]
+    """The values of ``rows`` per row-axis array (path → block)."""
+    followers_need: dict[Kind, int]
+    """Snapshots (per kind) whose :class:`Part` s every other process must have confirmed
+    before the commit mark covers them."""
+    final: bool
+    """The closing commit: trim the arrays and mark the run closed."""
+
+
+def _row_blocks(m: Manifest, rows: list[Row]) -> dict[str, np.ndarray]:
+    """The block of ``rows`` for every row-axis array of ``m``: steps, the stat vectors of
+    each kind (NaN where a row has none of the kind), each metric (NaN where not logged)."""
+    n = len(rows)
+    blocks = {L.STEPS: np.fromiter((r.step for r in rows), dtype=np.int64, count=n)}
+    for kind in m.kinds():
+        block = np.full((n, len(m.specs(kind)), N_STATS), np.nan)
+        for i, r in enumerate(rows):
+            v = r.stats.get(kind)
+            if v is not None:
+                block[i] = v
+        blocks[L.stats_path(kind)] = block
+    for name in m.metrics:
+        blocks[L.metric_path(name)] = np.fromiter(
+            (r.metrics.get(name, np.nan) for r in rows), dtype=np.float64, count=n
+        )
+    return blocks
+
+
 @dataclass
 class _Control:
     op: str  # "flush" | "close"
@@ -95,6 +141,12 @@ class _QueueWorker:
 
     _thread: threading.Thread
     _queue: queue.Queue[Any]
+    _handed_bytes: int = 0  # data bytes of every item put so far (uncompressed)
+
+    def bytes_written(self) -> int:
+        """Bytes of data (stat vectors, metrics, snapshot tensors; uncompressed) handed
+        to this writer so far — the ``sys/bytes_written`` system metric."""
+        return self._handed_bytes
 
     def flush(self, timeout: float | None = None) -> None:
         """Make everything enqueued so far durable; returns when it is (or failed)."""
@@ -178,14 +230,24 @@ class StoreWriter(_QueueWorker):
         self._thread.start()
 
     # ------------------------------------------------------------------ training thread
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of snapshots handed over and not yet committed (host memory held)."""
+        return self._pending_bytes
+
     def put(self, item: Row | Snapshot) -> None:
         """Enqueue an item; blocks (a counted stall) only if the queue is full."""
         if self.error is not None:
             return
         t0 = time.perf_counter()
         stalled = False
+        if isinstance(item, Row):
+            self._handed_bytes += 8 * (len(item.metrics) + 1) + sum(
+                int(v.nbytes) for v in item.stats.values()
+            )
         if isinstance(item, Snapshot):
             nbytes = sum(int(a.nbytes) for a in item.tensors.values())
+            self._handed_bytes += nbytes
             with self._bytes_cond:
                 while (
                     self._pending_bytes > 0
@@ -364,9 +426,10 @@ class StoreWriter(_QueueWorker):
                 self.kv.write_json(f"{g}/zarr.json", L.group_metadata())
             self._groups_written.add(g)
 
-    def _row_arrays(self, m: Manifest) -> dict[str, dict[str, Any]]:
-        """Every row-axis array the manifest needs, with its metadata at current capacity."""
-        cap = self._row_capacity
+    def _row_arrays(self, m: Manifest, cap: int | None = None) -> dict[str, dict[str, Any]]:
+        """Every row-axis array the manifest needs, with its metadata at capacity ``cap``
+        (None: the current capacity)."""
+        cap = self._row_capacity if cap is None else cap
         arrays = {L.STEPS: L.row_array_metadata(self.layout, cap, (), "int64", ["row"])}
         for kind in m.kinds():
             arrays[L.stats_path(kind)] = L.stats_metadata(
@@ -377,24 +440,6 @@ class StoreWriter(_QueueWorker):
                 self.layout, cap, (), "float64", ["row"]
             )
         return arrays
-
-    def _ensure_rows(self, m: Manifest, rows: int) -> None:
-        """Every row array holds at least ``rows`` rows. Each existing array is grown from
-        its own shape: after a kill during ``close()`` of a resumed run some arrays may be
-        trimmed and others not, so no one array's shape stands for all."""
-        block = self.layout.row_block
-        if rows > self._row_capacity:
-            self._row_capacity = -(-rows // block) * block
-        cap = self._row_capacity
-        for path, meta in self._row_arrays(m).items():
-            if not self._exists(path):
-                self._create(path, meta)
-                continue
-            arr = self._open(path)
-            if arr.shape[0] < rows:
-                self._arrays[path] = arr.resize(
-                    exclusive_max=[cap, *arr.shape[1:]], expand_only=True
-                ).result()
 
     # ------------------------------------------------------------------ writes
     def _write_snapshot(self, snap: Snapshot) -> None:
@@ -441,46 +486,87 @@ class StoreWriter(_QueueWorker):
         steps.append(snap.step)
 
     def _commit(self, final: bool = False) -> None:
+        """One commit, in three steps (the order is the crash-safety argument of the
+        module docstring): :meth:`_plan` decides what to write, :meth:`_write_and_wait`
+        grows the row arrays, writes the block of new rows and waits until every write
+        since the last commit is durable, and only then :meth:`_write_commit_mark` moves
+        the commit mark (``final``: after trimming the arrays, marking the run closed)."""
         # still our store? (removed, renamed or taken over: StoreError, nothing written)
         self._heartbeat()
+        plan = self._plan(final)
+        self._write_and_wait(plan)
+        self._write_commit_mark(plan)
+
+    def _plan(self, final: bool) -> _CommitPlan:
+        """What this commit writes: the buffered rows as one block per row-axis array,
+        the row arrays to create or grow to hold them, and the snapshot blocks other
+        processes must have confirmed. Reads array shapes; writes nothing."""
         m = self._manifest_copy()
         rows = self._rows
         r0 = self.rows_committed
         r1 = r0 + len(rows)
-        self._ensure_rows(m, r1)
-        futures = list(self._pending)
-        if rows:
-            sl = slice(r0, r1)
-            steps = np.fromiter((r.step for r in rows), dtype=np.int64, count=len(rows))
-            futures.append(self._open(L.STEPS)[sl].write(steps))
-            for kind in m.kinds():
-                n = len(m.specs(kind))
-                block = np.full((len(rows), n, N_STATS), np.nan)
-                for i, r in enumerate(rows):
-                    v = r.stats.get(kind)
-                    if v is not None:
-                        block[i] = v
-                futures.append(self._open(L.stats_path(kind))[sl].write(block))
-            for name in m.metrics:
-                col = np.fromiter(
-                    (r.metrics.get(name, np.nan) for r in rows), dtype=np.float64, count=len(rows)
-                )
-                futures.append(self._open(L.metric_path(name))[sl].write(col))
-        for f in futures:
-            f.result()  # durable (file kvstore fsyncs) before the commit mark moves
-        last = rows[-1].step if rows else self.last_step
-        self._wait_for_followers(
-            {
-                kind: bisect.bisect_right(s, last if last is not None else -1)
+        # Every row array must hold r1 rows. Each existing array is grown from its own
+        # shape: after a kill during close() of a resumed run some arrays may be trimmed
+        # and others not, so no one array's shape stands for all.
+        block = self.layout.row_block
+        capacity = -(-r1 // block) * block if r1 > self._row_capacity else self._row_capacity
+        create: dict[str, dict[str, Any]] = {}
+        grow: list[str] = []
+        for path, meta in self._row_arrays(m, capacity).items():
+            if not self._exists(path):
+                create[path] = meta
+            elif self._open(path).shape[0] < r1:
+                grow.append(path)
+        last_step = rows[-1].step if rows else self.last_step
+        upto = last_step if last_step is not None else -1
+        return _CommitPlan(
+            manifest=m,
+            rows=slice(r0, r1),
+            last_step=last_step,
+            capacity=capacity,
+            create=create,
+            grow=tuple(grow),
+            blocks=_row_blocks(m, rows) if rows else {},
+            followers_need={
+                kind: bisect.bisect_right(s, upto)
                 for kind, s in self._snap_steps.items()
                 if kind in self._parts_upto
-            }
+            },
+            final=final,
         )
+
+    def _write_and_wait(self, plan: _CommitPlan) -> None:
+        """Create or grow the row arrays, write the block of new rows, and wait until it
+        and every snapshot write issued since the last commit is durable (the file
+        kvstore fsyncs before a write completes), and until the other processes of a
+        multi-process job have confirmed their snapshot blocks. Then the buffers are
+        dropped and the training thread's byte budget is freed."""
+        self._row_capacity = plan.capacity
+        for path, meta in plan.create.items():
+            self._create(path, meta)
+        for path in plan.grow:
+            arr = self._open(path)
+            self._arrays[path] = arr.resize(
+                exclusive_max=[plan.capacity, *arr.shape[1:]], expand_only=True
+            ).result()
+        futures = list(self._pending)
+        for path, values in plan.blocks.items():
+            futures.append(self._open(path)[plan.rows].write(values))
+        for f in futures:
+            f.result()  # durable (file kvstore fsyncs) before the commit mark moves
+        self._wait_for_followers(plan.followers_need)
         self._pending.clear()
         self._release_bytes()
         self._rows = []
-        last_step = rows[-1].step if rows else self.last_step
-        if final:
+
+    def _write_commit_mark(self, plan: _CommitPlan) -> None:
+        """Make the planned rows visible: (``final``: trim the arrays to what is
+        committed, status ``closed``) set the new :class:`CommitMark` and writer stats on
+        the manifest and rewrite the root ``zarr.json`` — one atomic kvstore write. Call
+        only once :meth:`_write_and_wait` has returned: the mark vouches for durable
+        data only."""
+        m, r1, last_step = plan.manifest, plan.rows.stop, plan.last_step
+        if plan.final:
             self._trim(m, r1, last_step)
         self.rows_committed = r1
         self.last_step = last_step
@@ -495,7 +581,7 @@ class StoreWriter(_QueueWorker):
         with self._stats_lock:
             self._writer_stats.commits += 1
         m.writer = self.writer_stats()
-        if final:
+        if plan.final:
             m.status = "closed"
         self._write_manifest(m)
         self._last_good = m

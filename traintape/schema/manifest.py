@@ -11,13 +11,25 @@ import json
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from traintape.schema.kinds import Kind
 from traintape.schema.migrate import migrate
-from traintape.schema.names import CanonicalName, check_no_prefix_clash, split_name
+from traintape.schema.names import (
+    CanonicalName,
+    check_no_prefix_clash,
+    split_name,
+    validate_name,
+)
 from traintape.schema.policy import CapturePolicy
 from traintape.schema.roles import LayerKind
 from traintape.schema.stats import STAT_NAMES
@@ -196,11 +208,44 @@ class Severity(StrEnum):
     ERROR = "error"
 
 
+class EventType(StrEnum):
+    """traintape's own event types (users name theirs ``user/<name>``)."""
+
+    NAN = "nan"  # first NaN of a (kind, tensor) or metric
+    INF = "inf"  # first +-Inf of a (kind, tensor) or metric
+    NOTE = "note"  # a remark: a user's, or traintape's (e.g. a writer claim taken over)
+    REWIND = "rewind"  # resumed at an earlier step; the abandoned rows' copy is named
+    SNAPSHOT_SKIPPED = "snapshot_skipped"  # a full capture skipped: over the memory budget
+
+
+USER_EVENT_PREFIX = "user/"
+
+
+def check_event_type(value: Any) -> EventType | str:
+    """An :class:`EventType`, or ``user/<name>`` with ``<name>`` in the canonical name
+    grammar; anything else raises ValueError naming the choices."""
+    if isinstance(value, str):
+        if value in EventType._value2member_map_:
+            return EventType(value)
+        if value.startswith(USER_EVENT_PREFIX):
+            try:
+                validate_name(value[len(USER_EVENT_PREFIX) :])
+                return value
+            except ValueError:
+                pass
+    raise ValueError(
+        f"event type {value!r} is not one of traintape's ({', '.join(t.value for t in EventType)}); "
+        f"name your own {USER_EVENT_PREFIX}<name>, e.g. {USER_EVENT_PREFIX}lr_drop"
+    )
+
+
 class Event(_Model):
     """Something noticed at write time (NaN/Inf first seen, a note from the user)."""
 
     step: int = Field(ge=0)
-    type: str = Field(description="'nan', 'inf', 'note', 'capture_disabled', ...")
+    type: Annotated[EventType | str, BeforeValidator(check_event_type)] = Field(
+        description="one of traintape's EventType values, or 'user/<name>' for a user's own"
+    )
     severity: Severity = Severity.INFO
     tensor: str | None = None
     kind: Kind | None = None

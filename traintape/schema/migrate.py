@@ -10,8 +10,10 @@ model; a store resumed by this build is rewritten in the current version.
             set of :data:`~traintape.schema.roles.LayerKind`; canonical name segments
             are at most 200 characters
 1.2.0       ``producer.stats_backend`` (optional; older stores read it as None)
-1.3.0       layer kind ``lora`` (LoRA/DoRA adapters); older stores never use it, so
-            nothing is rewritten but the version
+1.3.0       layer kind ``lora`` (LoRA/DoRA adapters; older stores never use it);
+            ``Event.type`` is a closed set (``EventType``) or ``user/<name>``: an
+            older store's other event types become ``user/<type>`` (``user/event``
+            with ``data.original_type`` when the type is not a valid name segment)
 ==========  ===============================================================
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from traintape.schema.names import validate_name
 from traintape.schema.version import SCHEMA_VERSION, parse_version
 
 
@@ -44,5 +47,31 @@ def migrate(doc: Any) -> Any:
         out["user"] = user
         if out.get("forward_order") is None and order is not None:
             out["forward_order"] = [str(x) for x in order]
+    if v < (1, 3, 0) and isinstance(out.get("events"), list):
+        out["events"] = [_event_1_3(e) for e in out["events"]]
     out["schema_version"] = SCHEMA_VERSION
+    return out
+
+
+_OWN_1_3 = ("nan", "inf", "note", "rewind")  # EventType as of 1.3.0 (fixed: a history)
+
+
+def _event_1_3(ev: Any) -> Any:
+    """An event of a store before 1.3.0 with its free-form type made ``user/<type>``."""
+    if not isinstance(ev, dict) or not isinstance(ev.get("type"), str):
+        return ev
+    t = ev["type"]
+    if t in _OWN_1_3 or t.startswith("user/"):
+        return ev
+    out = dict(ev)
+    try:
+        validate_name(t)
+        ok = True
+    except ValueError:
+        ok = False
+    if ok:
+        out["type"] = f"user/{t}"
+    else:
+        out["type"] = "user/event"
+        out["data"] = {**(ev.get("data") or {}), "original_type": t}
     return out

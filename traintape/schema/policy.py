@@ -55,6 +55,20 @@ class CapturePolicy(BaseModel):
         (Kind.PARAM, Kind.GRAD, Kind.UPDATE, Kind.ACTIVATION),
         description="kinds written as full snapshots on full-capture steps",
     )
+    snapshot_budget_bytes: int | None = Field(
+        None,
+        gt=0,
+        description="host memory (bytes) that snapshots waiting for the writer may hold; a "
+        "full capture that would exceed it is skipped (stats rows never are) and recorded "
+        "as a snapshot_skipped event. None: no limit but the writer's max_pending_bytes",
+    )
+    snapshot_budget_fraction: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="the same budget as a fraction of the host memory available at the "
+        "time (psutil); with both set, the smaller applies",
+    )
     include: tuple[str, ...] = Field(("*",), description="globs of canonical names to record")
     exclude: tuple[str, ...] = Field((), description="globs of canonical names to skip")
 

@@ -130,7 +130,7 @@ class ActivationCapture:
     def run_probe(self, step: int, probe: Any) -> None:
         """On a full-capture step, run the model on ``probe`` (``training=False``, θ_t)
         and keep its layer outputs as that step's activation snapshots."""
-        if not self._wrapped or not self.recorder.policy.snapshots(step, Kind.ACTIVATION):
+        if not self._wrapped or not self.recorder.snapshots(step, Kind.ACTIVATION):
             return
         self._probing = True
         self._probe_out = {}

@@ -75,9 +75,9 @@ def _host(
             rows = []
             for g, sn, part, st in zip(groups, snap, parts, mats, strict=True):
                 snaps: Mapping[str, np.ndarray] | None = None
-                if sn and rec.policy.snapshots(s, g.kind):
+                if sn and rec.snapshots(s, g.kind):
                     snaps = {x: np.array(a, copy=True) for x, a in zip(g.names, part, strict=True)}
-                elif g.host_snapshots is not None and rec.policy.snapshots(s, g.kind):
+                elif g.host_snapshots is not None and rec.snapshots(s, g.kind):
                     snaps = g.host_snapshots(s)
                 rows.append(KindRows(g.kind, g.names, st, snaps))
             rec.record_step(s, rows)
@@ -91,7 +91,7 @@ def _host(
                 snaps = {x: rest.pop(0) for x in nm}
             elif g.host_snapshots is not None:
                 snaps = g.host_snapshots(s)
-            if not rec.policy.snapshots(s, kind):
+            if not rec.snapshots(s, kind):
                 snaps = None
             rows.append(KindRows(kind, nm, st, snaps))
         rec.record_step(s, rows)
@@ -119,7 +119,7 @@ def _emit_eager(rec: Recorder, step: int, groups: Sequence[Group]) -> None:
     rows = []
     for g, ts, stats in zip(groups, tensors, mats, strict=True):
         snaps = None
-        if g.snapshot and rec.policy.snapshots(step, g.kind):
+        if g.snapshot and rec.snapshots(step, g.kind):
             # views of immutable eager tensors: a variable's later in-place update
             # copies on write while a view holds its buffer
             snaps = {

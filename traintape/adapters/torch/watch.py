@@ -412,7 +412,7 @@ class WatchHandle:
         self._params(self._boundary_params)
         if self.optimizer is None:
             self._copy_theta()
-        if self.probe is not None and self._act_on and rec.policy.snapshots(t, Kind.ACTIVATION):
+        if self.probe is not None and self._act_on and rec.snapshots(t, Kind.ACTIVATION):
             self._run_probe()
 
     def _params(self, entries: list[ParamEntry]) -> None:
@@ -432,7 +432,7 @@ class WatchHandle:
             return
         self._add_tensors(Kind.PARAM, [e.name for e in entries],
                           [(e, e.tensor().detach()) for e in entries])  # fmt: skip
-        if rec.policy.snapshots(t, Kind.PARAM):
+        if rec.snapshots(t, Kind.PARAM):
             self._snaps.setdefault(Kind.PARAM, {}).update(
                 {e.name: self._snapshot(e, e.tensor().detach(), e.tensor().dtype) for e in entries}
             )
@@ -477,7 +477,7 @@ class WatchHandle:
             return
         self._add_tensors(Kind.GRAD, [e.name for e in self.train_entries],
                           [(e, e.tensor().grad) for e in self.train_entries])  # fmt: skip
-        if self.rec.policy.snapshots(t, Kind.GRAD):
+        if self.rec.snapshots(t, Kind.GRAD):
             self._snaps[Kind.GRAD] = {
                 e.name: self._snapshot(e, e.tensor().grad, e.tensor().dtype)
                 for e in self.train_entries
@@ -494,7 +494,7 @@ class WatchHandle:
         by_id = {id(p): _like(p, d) for p, d in zip(live, diff, strict=True)}
         self._add_tensors(Kind.UPDATE, [e.name for e in self.train_entries],
                           [(e, by_id[id(e.tensor())]) for e in self.train_entries])  # fmt: skip
-        if self.rec.policy.snapshots(t, Kind.UPDATE):
+        if self.rec.snapshots(t, Kind.UPDATE):
             self._snaps[Kind.UPDATE] = {}
             for e in self.train_entries:
                 u = by_id[id(e.tensor())]
@@ -511,7 +511,7 @@ class WatchHandle:
         wholes = [leaf.whole(opt.optimizer) for leaf in leaves]
         self._add_tensors(Kind.OPT_STATE, [leaf.name for leaf in leaves],
                           [(leaf.entry, v) for leaf, v in zip(leaves, wholes, strict=True)])  # fmt: skip
-        if self.rec.policy.snapshots(t, Kind.OPT_STATE):
+        if self.rec.snapshots(t, Kind.OPT_STATE):
             self._snaps[Kind.OPT_STATE] = {
                 leaf.name: self._snapshot(leaf.entry, v, leaf.dtype)
                 for leaf, v in zip(leaves, wholes, strict=True)
