@@ -342,3 +342,38 @@ def test_lora_adapter_names_embedding_conv_and_dora() -> None:
 )
 def test_component_rule(name: str, want: str) -> None:
     assert component(name) == want
+
+
+def test_health_sees_qkv_imbalance_on_hf_names(tmp_path) -> None:
+    """The attention q/k/v imbalance check works on HF's q_proj/k_proj/v_proj names: a
+    Llama whose layer-0 q_proj gradient is scaled up 1000x (by a hook, so it is the
+    gradient the optimizer applies and traintape records; lr 0 keeps every other
+    gradient as it was) is flagged for that attention layer only."""
+    from traintape.analysis.health import HealthThresholds, IssueType, health
+
+    torch.manual_seed(0)
+    model = _llama()
+    model.model.layers[0].self_attn.q_proj.weight.register_hook(lambda g: g * 1000.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    g = torch.Generator().manual_seed(1)
+    url = str(tmp_path / "llama")
+    with traintape.Recorder(url, system_metrics=False) as rec, tt.watch(model, rec, optimizer=opt):
+        for _ in range(STEPS):
+            opt.zero_grad()
+            _loss(model, torch.randint(0, VOCAB, (2, 8), generator=g)).backward()
+            opt.step()
+    # at initialisation attention is near uniform: q and k get ~1e-3 of v's gradient by
+    # themselves (max/min ~250 in both layers here); the planted 1000x makes layer 0's
+    # ~1400: a threshold between the two must flag layer 0 only
+    run = traintape.open_run(url)
+    ratios = {
+        i.layer: max(i.evidence.values()) / min(i.evidence.values())
+        for i in health(run).issues()
+        if i.type == IssueType.ATTENTION_QKV_IMBALANCE
+    }
+    assert ratios["model/layers/0/self_attn"] > 4 * ratios["model/layers/1/self_attn"]
+    rep = health(run, HealthThresholds(qkv_ratio=2 * ratios["model/layers/1/self_attn"]))
+    issues = [i for i in rep.issues() if i.type == IssueType.ATTENTION_QKV_IMBALANCE]
+    assert [i.layer for i in issues] == ["model/layers/0/self_attn"]
+    ev = issues[0].evidence
+    assert ev["grad_norm_q"] == max(ev.values())  # the planted projection

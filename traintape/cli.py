@@ -41,26 +41,32 @@ def _fail(message: str, hint: str | None = None, code: int = 2) -> NoReturn:
 
 
 def _store_problem(run: str) -> tuple[str, str | None] | None:
-    """Why the local path ``run`` cannot be a run store (message, hint), or None."""
-    from traintape.core.kvstore import local_path, normalize_url
+    """Why the local path ``run`` cannot be a run store (message, hint), or None.
 
-    path = local_path(normalize_url(run))
-    if path is None:
+    A remote URL is diagnosed by reading its manifest (``_open``), not here."""
+    from traintape.core.kvstore import local_path, normalize_url
+    from traintape.core.store import LocationKind, inspect_location
+
+    if local_path(normalize_url(run)) is None:
         return None
-    if not os.path.exists(path):
+    loc = inspect_location(run)
+    path = loc.path
+    assert path is not None
+    if loc.kind is LocationKind.MISSING:
         parent = os.path.dirname(path.rstrip(os.sep)) or "."
         hint = (
             f"`traintape ls {parent}` lists the runs there"
-            if os.path.isdir(parent)
+            if loc.parent == parent and loc.parent_is_dir
             else "check the path"
         )
         return f"no run at {path}: no such file or directory", hint
-    if not os.path.isdir(path):
+    if loc.kind is LocationKind.NOT_A_DIRECTORY:
         return f"{path} is a file, not a run directory", "a run is the directory a Recorder wrote"
-    if not os.path.exists(os.path.join(path, "zarr.json")):
+    if loc.kind is not LocationKind.STORE:
         from traintape.core.catalog import find_stores
 
-        inner = find_stores(path, depth=2)
+        # only a directory with foreign entries can hold runs (an EMPTY one holds none)
+        inner = find_stores(path, depth=2) if loc.kind is LocationKind.FOREIGN else []
         if inner:
             shown = ", ".join(os.path.relpath(x, path) for x in inner[:5])
             more = f" and {len(inner) - 5} more" if len(inner) > 5 else ""
@@ -428,33 +434,31 @@ def ls_runs(
     console.print(t)
 
 
-@app.command()
-def health(
-    run: str = typer.Argument(..., help="run directory or URL"),
-    as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
-) -> None:
-    """Gradient-flow health per layer: score, status, issues and recommendations.
+_COLOR = {"healthy": "green", "warning": "yellow", "critical": "red"}
+_GLYPH = {"healthy": "·", "warning": "▲", "critical": "✖"}
+_SEVERITY = {"healthy": 0, "warning": 1, "critical": 2}
 
-    Exit code 0 unless a layer is critical (1).
-    """
-    from traintape.analysis import health as run_health
 
-    r = _open(run)
-    with _reading(run), _progress("health") as cb:
-        rep = run_health(r, progress=cb)
-    if as_json:
-        _json_out(rep)
-        raise typer.Exit(1 if rep.status == "critical" else 0)
-    color = {"healthy": "green", "warning": "yellow", "critical": "red"}
-    console.print(
-        f"[bold]{r.url}[/bold]: {rep.steps} steps, {len(rep.layers)} layers — "
-        f"[{color[rep.status]}]{rep.status}[/{color[rep.status]}], score {rep.score:.0f}/100"
-    )
+def _status(s: str) -> str:
+    return f"[{_COLOR[s]}]{s}[/{_COLOR[s]}]"
+
+
+def _strip(statuses: list[Any], most: int = 60) -> tuple[str, int]:
+    """Statuses as one coloured mark each (at most ``most`` marks: each then stands for
+    the worst of ``per`` consecutive windows); returns ``(text, per)``."""
+    per = max(1, -(-len(statuses) // most))
+    groups = [statuses[i : i + per] for i in range(0, len(statuses), per)]
+    worst = [max(g, key=lambda s: _SEVERITY[s]) for g in groups]
+    return "".join(f"[{_COLOR[s]}]{_GLYPH[s]}[/{_COLOR[s]}]" for s in worst), per
+
+
+def _health_table(rep: Any) -> None:
+    """The per-layer table and issue list of one health report."""
     f = lambda v: "–" if v is None else f"{v:.3g}"  # noqa: E731
     # (header, value of a layer); a column no layer has a value for is left out
     cols: list[tuple[str, Callable[[Any], str]]] = [
         ("score", lambda lh: f"{lh.score:.0f}"),
-        ("status", lambda lh: f"[{color[lh.status]}]{lh.status}[/{color[lh.status]}]"),
+        ("status", lambda lh: _status(lh.status)),
         ("grad norm", lambda lh: f(lh.grad_norm)),
         ("grad/param", lambda lh: f(lh.rel_grad)),
         ("update/param", lambda lh: f(lh.update_ratio)),
@@ -467,12 +471,194 @@ def health(
         Column("issues", overflow="fold"),
     )
     for lh in rep.layers:
-        t.add_row(lh.layer, *(v(lh) for _, v in cols), ", ".join(i.type.value for i in lh.issues))
+        t.add_row(
+            _safe(lh.layer), *(v(lh) for _, v in cols), ", ".join(i.type.value for i in lh.issues)
+        )
     console.print(t)
     for i in rep.issues():
-        c = color[i.severity]
-        where = i.layer or "run"
-        console.print(f"[{c}]{i.type.value}[/{c}] {where}: {i.message}\n    → {i.recommendation}")
+        c = _COLOR[i.severity]
+        where = _safe(i.layer or "run")
+        console.print(
+            f"[{c}]{i.type.value}[/{c}] {where}: {_safe(i.message)}\n    → {i.recommendation}"
+        )
+
+
+def _health_trend(r: Any, run: str, window: int, as_json: bool) -> None:
+    """``health --window N``: each layer's status per window, its changes and episodes."""
+    from traintape.analysis import health_trend
+
+    with _reading(run), _progress("health") as cb:
+        tr = health_trend(r, window, progress=cb)
+    code = 1 if tr.worst == "critical" else 0
+    if as_json:
+        _json_out(tr)
+        raise typer.Exit(code)
+    ws = tr.windows
+    if not ws:
+        console.print(f"[bold]{_safe(r.url)}[/bold]: no recorded steps")
+        raise typer.Exit(0)
+    bad = [w for w, s in zip(ws, tr.status, strict=True) if s == tr.worst]
+    console.print(
+        f"[bold]{_safe(r.url)}[/bold]: {tr.steps} steps in {len(ws)} windows of {window} steps "
+        f"— worst {_status(tr.worst)}"
+        + (f" (from step {bad[0].first_step})" if tr.worst != "healthy" else "")
+    )
+    f = lambda v: "–" if v is None else f"{v:.3g}"  # noqa: E731
+    top = lambda xs: max((x for x in xs if x is not None), default=None)  # noqa: E731
+    _, per = _strip(tr.status)
+    head = f"steps {ws[0].first_step}…{ws[-1].last_step}" + (
+        f" ({per} windows a mark)" if per > 1 else ""
+    )
+    t = Table(
+        _name_column("layer", [lt.layer for lt in tr.layers], cap=40),
+        Column(head, no_wrap=True), "last", "turb.", "pressure", "velocity",
+        Column("changes", overflow="fold"),
+        caption="turb., pressure, velocity: the largest over the windows",
+    )  # fmt: skip
+    t.add_row("(run)", _strip(tr.status)[0], _status(tr.status[-1]), "", "", "", "")
+    for lt in tr.layers:
+        ch = [
+            f"{c.before} → {c.after} at {c.step}"
+            + (f" ({', '.join(i.value for i in c.issues)})" if c.issues else "")
+            for c in lt.changes
+        ]
+        more = f"; … {len(ch) - 3} more" if len(ch) > 3 else ""
+        t.add_row(
+            _safe(lt.layer), _strip(lt.status)[0], _status(lt.status[-1]), f(top(lt.turbulence)),
+            f(top(lt.max_pressure)), f(top(lt.velocity)), "; ".join(ch[:3]) + more,
+        )  # fmt: skip
+    console.print(t)
+    depth = {lt.layer: lt.depth for lt in tr.layers}
+    for i in sorted(tr.issues(), key=lambda i: (i.first_step, depth.get(i.layer or "", -1))):
+        c = _COLOR[i.severity]
+        span = f"steps {i.first_step}..{i.last_step}" + (
+            f" ({i.windows} windows)" if i.windows > 1 else ""
+        )
+        console.print(
+            f"[{c}]{i.type.value}[/{c}] {_safe(i.layer or 'run')}, {span}: {_safe(i.message)}"
+            f"\n    → {i.recommendation}"
+        )
+    raise typer.Exit(code)
+
+
+def _health_against(r: Any, run: str, b: Any, against: str, as_json: bool) -> None:
+    """``health A --against B``: per layer, is A improved, degraded or unchanged?"""
+    from traintape.analysis import NoSharedLayersError, Verdict, health_against
+
+    with _reading(run, against), _progress("health") as cb:
+        try:
+            cmp = health_against(r, b, progress=cb)
+        except NoSharedLayersError as e:
+            _fail(str(e), "--against compares runs of one model: their layer names must match")
+    counts = cmp.counts()
+    code = 1 if counts[Verdict.DEGRADED] or cmp.verdict == Verdict.DEGRADED else 0
+    if as_json:
+        _json_out(cmp)
+        raise typer.Exit(code)
+    vc = {"improved": "green", "degraded": "red", "unchanged": "cyan"}
+    v = cmp.verdict
+    st = (
+        _status(cmp.status_after)
+        if cmp.status_before == cmp.status_after
+        else f"{_status(cmp.status_before)} → {_status(cmp.status_after)}"
+    )
+    console.print(
+        f"[bold]{_safe(cmp.a)}[/bold] against [bold]{_safe(cmp.b)}[/bold]: "
+        f"[{vc[v]}]{v}[/{vc[v]}] — score {cmp.score_before:.0f} → {cmp.score_after:.0f}, "
+        f"status {st}"
+    )
+    console.print(
+        f"{counts[Verdict.IMPROVED]} improved, {counts[Verdict.DEGRADED]} degraded, "
+        f"{counts[Verdict.UNCHANGED]} unchanged of {len(cmp.layers)} shared layers"
+    )
+    shown = [lc for lc in cmp.layers if lc.verdict != "unchanged" or len(cmp.layers) <= 30]
+    t = Table(
+        _name_column("layer", [lc.layer for lc in shown], cap=40), "verdict", "status", "score",
+        Column("evidence", overflow="fold"),
+    )  # fmt: skip
+    for lc in shown:
+        status = (
+            _status(lc.status_after)
+            if lc.status_before == lc.status_after
+            else f"{_status(lc.status_before)} → {_status(lc.status_after)}"
+        )
+        score = (
+            f"{lc.score_after:.0f}"
+            if lc.score_before == lc.score_after
+            else f"{lc.score_before:.0f} → {lc.score_after:.0f}"
+        )
+        # the reason, where the score (shown) did not decide the verdict
+        why = lc.evidence()
+        if lc.verdict != Verdict.UNCHANGED and lc.score_before == lc.score_after:
+            why = f"{lc.reason}; {why}"
+        t.add_row(
+            _safe(lc.layer), f"[{vc[lc.verdict]}]{lc.verdict}[/{vc[lc.verdict]}]", status, score,
+            _safe(why.rstrip("; ")),
+        )  # fmt: skip
+    if shown:
+        console.print(t)
+    if len(shown) < len(cmp.layers):
+        console.print(f"{len(cmp.layers) - len(shown)} unchanged layers not shown (--json has all)")
+    for i in cmp.run_issues:
+        console.print(f"run: {i.text()} — {_safe(i.message)}")
+    for name, only in (("A", cmp.only_in_a), ("B", cmp.only_in_b)):
+        if only:
+            shown_names = ", ".join(_safe(x) for x in only[:10]) + (" …" if len(only) > 10 else "")
+            console.print(f"[dim]{len(only)} layers only in {name}: {shown_names}[/dim]")
+    for lc in cmp.layers:
+        for i in lc.issues:
+            if i.after is not None and i.before != i.after:
+                c = _COLOR[i.after]
+                console.print(
+                    f"[{c}]{i.text()}[/{c}] {_safe(lc.layer)}: {_safe(i.message)}"
+                    f"\n    → {i.recommendation}"
+                )
+    raise typer.Exit(code)
+
+
+@app.command()
+def health(
+    run: str = typer.Argument(..., help="run directory or URL"),
+    window: int | None = typer.Option(
+        None, "--window", "-w", help="health per window of N steps: how each layer's status evolves"
+    ),
+    against: str | None = typer.Option(
+        None, "--against", help="baseline run: is RUN improved, degraded or unchanged, per layer?"
+    ),
+    as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+) -> None:
+    """Gradient-flow health per layer: score, status, issues and recommendations.
+
+    With --window N: each layer's status per window of N steps (windows aligned to
+    multiples of N), where it changed, and the issues of each stretch of windows, with
+    turbulence, max pressure and grad-norm velocity/acceleration. With --against B: per
+    layer, RUN improved / degraded / unchanged against the baseline B, with the issues
+    resolved or new and the measures that moved (from B's value to RUN's).
+
+    Exit code 0 unless a layer is critical (1; with --window: in any window); with
+    --against, 1 when a layer degraded; 2 on bad input.
+    """
+    from traintape.analysis import health as run_health
+
+    if window is not None and window < 1:
+        _fail(f"--window must be at least 1 step, got {window}")
+    if window is not None and against is not None:
+        _fail("--window and --against cannot be combined", "run them one after the other")
+    r = _open(run)
+    if window is not None:
+        _health_trend(r, run, window, as_json)
+    if against is not None:
+        _health_against(r, run, _open(against), against, as_json)
+    with _reading(run), _progress("health") as cb:
+        rep = run_health(r, progress=cb)
+    if as_json:
+        _json_out(rep)
+        raise typer.Exit(1 if rep.status == "critical" else 0)
+    console.print(
+        f"[bold]{_safe(r.url)}[/bold]: {rep.steps} steps, {len(rep.layers)} layers — "
+        f"{_status(rep.status)}, score {rep.score:.0f}/100"
+    )
+    _health_table(rep)
     raise typer.Exit(1 if rep.status == "critical" else 0)
 
 

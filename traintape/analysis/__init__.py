@@ -1,6 +1,9 @@
 """Analyses over run stores (framework-free; read through :func:`traintape.open_run`).
 
-- :func:`health` — gradient-flow health per layer (VANISHING, EXPLODING, DEAD, ...).
+- :func:`health` — gradient-flow health per layer (VANISHING, EXPLODING, DEAD, ...);
+  :func:`health_trend` — the same per window of steps (plus TURBULENT, PRESSURE_SPIKE,
+  ACCELERATING); :func:`health_against` / :func:`compare_health` — per layer, is a run
+  improved, degraded or unchanged against a baseline?
 - :func:`anomalies` — NaN/Inf first seen, loss and gradient spikes, dead units, stalls.
 - :func:`parameter_change` / :func:`change_from_stats` — how much parameters moved.
 - :func:`sparse_update_quality` / :func:`sparse_update_from_run` — would a sparse update
@@ -23,6 +26,24 @@ from traintape.analysis.health import (
     Status,
     health,
 )
+from traintape.analysis.health_compare import (
+    HealthComparison,
+    IssueChange,
+    LayerComparison,
+    MeasureChange,
+    NoSharedLayersError,
+    Verdict,
+    compare_health,
+    health_against,
+)
+from traintape.analysis.health_trend import (
+    HealthTrend,
+    LayerTrend,
+    StatusChange,
+    StepWindow,
+    TrendIssue,
+    health_trend,
+)
 from traintape.analysis.report import render_report, write_report
 from traintape.analysis.sparse import (
     OutputAgreement,
@@ -37,21 +58,35 @@ __all__ = [
     "AnomalyReport",
     "AnomalyThresholds",
     "CompareReport",
+    "HealthComparison",
     "HealthReport",
     "HealthThresholds",
+    "HealthTrend",
     "Issue",
+    "IssueChange",
     "IssueType",
+    "LayerComparison",
     "LayerHealth",
+    "LayerTrend",
+    "MeasureChange",
+    "NoSharedLayersError",
     "OutputAgreement",
     "ParameterChange",
     "SparseUpdateQuality",
     "Status",
+    "StatusChange",
+    "StepWindow",
     "Tolerance",
+    "TrendIssue",
+    "Verdict",
     "anomalies",
     "change_from_stats",
     "compare",
+    "compare_health",
     "export",
     "health",
+    "health_against",
+    "health_trend",
     "parameter_change",
     "render_report",
     "sparse_update_from_run",

@@ -12,13 +12,17 @@ the stat vectors of ``grad``, ``param``, ``update`` and ``activation`` and compu
 - saturation of bounded activations (see :class:`HealthThresholds`).
 
 Issues (each with a severity and a concrete recommendation): VANISHING, EXPLODING, DEAD,
-SATURATED, DECAY_WITH_DEPTH, LAYER_IMBALANCE, ATTENTION_QKV_IMBALANCE. A layer's score is
-``100 − Σ penalties`` (critical 60, warning 25, floored at 0); status is ``critical`` with
-any critical issue, ``warning`` with any warning, else ``healthy``.
+SATURATED, DECAY_WITH_DEPTH, LAYER_IMBALANCE, ATTENTION_QKV_IMBALANCE; per window of
+steps (:mod:`~traintape.analysis.health_trend`) also TURBULENT, PRESSURE_SPIKE and
+ACCELERATING. A layer's score is ``100 − Σ penalties`` (critical 60, warning 25, floored
+at 0); status is ``critical`` with any critical issue, ``warning`` with any warning, else
+``healthy``. :mod:`~traintape.analysis.health_compare` compares two runs' health.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +40,8 @@ from traintape.analysis._common import (
     layer_norms,
     stat_index,
 )
-from traintape.schema import Kind, split_name
+from traintape.analysis.change import qkv_groups
+from traintape.schema import Kind
 
 if TYPE_CHECKING:
     from traintape.core.reader import Run
@@ -50,6 +55,9 @@ class IssueType(StrEnum):
     DECAY_WITH_DEPTH = "DECAY_WITH_DEPTH"
     LAYER_IMBALANCE = "LAYER_IMBALANCE"
     ATTENTION_QKV_IMBALANCE = "ATTENTION_QKV_IMBALANCE"
+    TURBULENT = "TURBULENT"
+    PRESSURE_SPIKE = "PRESSURE_SPIKE"
+    ACCELERATING = "ACCELERATING"
 
 
 class Status(StrEnum):
@@ -81,6 +89,22 @@ class HealthThresholds(BaseModel):
       LAYER_IMBALANCE (warning; run level).
     - ``qkv_ratio`` (10): max / min of the q, k, v grad norms of one attention layer above
       this is ATTENTION_QKV_IMBALANCE (warning).
+
+    Judged per window of steps only (:func:`~traintape.analysis.health_trend`; over a
+    whole run the trend of the gradient norm would dominate them):
+
+    - ``turbulence`` (1.0): a grad-norm coefficient of variation (std/mean over the
+      window's steps) above this is TURBULENT (warning).
+    - ``pressure_spike`` (10): a ``max_pressure`` (largest per-step grad/param norm ratio
+      of the window) above this many times the window's median ``rel_grad`` is
+      PRESSURE_SPIKE (warning).
+    - ``accelerating_growth`` (10) / ``accelerating_t`` (3): a growing grad norm (positive
+      ``velocity``, d ln‖g‖/d step) whose growth rate rises within the window so much that
+      at its end the norm grows this factor more per window than at its start, with the
+      fit's curvature at least ``accelerating_t`` standard errors from 0, is ACCELERATING
+      (warning).
+
+    TURBULENT and PRESSURE_SPIKE are not raised for a layer EXPLODING in that window.
     """
 
     vanishing_rel: float = 1e-2
@@ -96,6 +120,10 @@ class HealthThresholds(BaseModel):
     decay_ratio: float = 100.0
     imbalance_ratio: float = 1e3
     qkv_ratio: float = 10.0
+    turbulence: float = 1.0
+    pressure_spike: float = 10.0
+    accelerating_growth: float = 10.0
+    accelerating_t: float = 3.0
     critical_penalty: float = 60.0
     warning_penalty: float = 25.0
 
@@ -161,6 +189,15 @@ _RECO = {
     "optimizer (Adam), per-layer learning rates, or normalise layer scales",
     IssueType.ATTENTION_QKV_IMBALANCE: "q/k/v projections get very different gradients: "
     "check the attention scaling (1/sqrt(d)), initialisation of q/k, and QK-normalisation",
+    IssueType.TURBULENT: "the gradient norm swings widely from step to step: lower the "
+    "learning rate, increase the batch size (or accumulate gradients), add gradient "
+    "clipping, or raise Adam's epsilon",
+    IssueType.PRESSURE_SPIKE: "a few steps push this layer's weights far harder than the "
+    "rest: clip gradients (global or per-layer norm), look for outlier batches at those "
+    "steps, or lower the learning rate (with warm-up, if the spikes come first thing)",
+    IssueType.ACCELERATING: "the gradient norm grows faster and faster, heading for "
+    "divergence: lower the (peak) learning rate or lengthen warm-up, add gradient "
+    "clipping, and check the loss scale",
 }
 
 
@@ -187,27 +224,36 @@ _ACT_SERIES = (
 
 
 class GradTotals(Reducer):
-    """Per layer of the grad kind, over all rows: non-finite values (NaN + Inf), rows at
-    which every gradient tensor of the layer is exactly zero, and rows recorded.
-    ``value = (nonfinite [layer], zero_rows [layer], recorded_rows [layer])``."""
+    """Per window of rows and layer of the grad kind: non-finite values (NaN + Inf), rows
+    at which every gradient tensor of the layer is exactly zero, and rows recorded.
+
+    ``starts``: the first row of each window, increasing (default: one window, all rows).
+    ``value = (nonfinite [window, layer], zero_rows [window, layer], recorded_rows
+    [window, layer])``."""
 
     kind = Kind.GRAD
+
+    def __init__(self, starts: np.ndarray | None = None) -> None:
+        self.starts = np.zeros(1, np.intp) if starts is None else np.asarray(starts, np.intp)
 
     def begin(self, cache: StatsCache) -> None:
         self.groups = cache.groups(Kind.GRAD)
         self.cols = [stat_index(cache.run, s) for s in ("nan_count", "inf_count", "zero_frac")]
-        n = len(self.groups.layers)
-        self.value = (np.zeros(n), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64))
+        shape = (len(self.starts), len(self.groups.layers))
+        self.value = (np.zeros(shape), np.zeros(shape, dtype=np.int64),
+                      np.zeros(shape, dtype=np.int64))  # fmt: skip
 
     def update(self, start: int, block: np.ndarray) -> None:
         nonfinite, zero_rows, recorded = self.value
-        nf = block[:, :, self.cols[0]] + block[:, :, self.cols[1]]
-        with np.errstate(all="ignore"):
-            nonfinite += np.nansum(self.groups.reduce(nf, "sum"), axis=0)
+        wid = np.searchsorted(self.starts, start + np.arange(len(block)), side="right") - 1
+        seg = np.flatnonzero(np.diff(wid, prepend=-1))  # first block row of each window
+        win = wid[seg]
+        nf = self.groups.reduce(block[:, :, self.cols[0]] + block[:, :, self.cols[1]], "sum")
+        nonfinite[win] += np.add.reduceat(np.where(np.isnan(nf), 0.0, nf), seg, axis=0)
         zmin = self.groups.reduce(block[:, :, self.cols[2]], "min")  # NaN: not recorded
         rec = ~np.isnan(zmin)
-        recorded += rec.sum(axis=0)
-        zero_rows += (rec & (zmin >= 1.0)).sum(axis=0)
+        recorded[win] += np.add.reduceat(rec, seg, axis=0, dtype=np.int64)
+        zero_rows[win] += np.add.reduceat(rec & (zmin >= 1.0), seg, axis=0, dtype=np.int64)
 
 
 def _column_groups(n_rows: int, n_cols: int, max_values: int = 4 << 20) -> range:
@@ -249,15 +295,16 @@ def _grad_measures(g: np.ndarray) -> dict[str, np.ndarray]:
     return out
 
 
-def _ratio_median(
+def _ratio_reduce(
     a: np.ndarray | None,
     a_layers: list[str],
     b: np.ndarray | None,
     b_layers: list[str],
     layers: list[str],
+    reduce: Callable[[np.ndarray], np.ndarray] = column_median,
 ) -> np.ndarray:
-    """Per layer of ``layers``: median over rows of ``a[:, layer] / b[:, layer]`` (NaN
-    where either series lacks the layer)."""  # fmt: skip
+    """Per layer of ``layers``: ``reduce`` (default: median) over rows of
+    ``a[:, layer] / b[:, layer]`` (NaN where either series lacks the layer)."""  # fmt: skip
     out = np.full(len(layers), np.nan)
     if a is None or b is None:
         return out
@@ -271,7 +318,7 @@ def _ratio_median(
         grp = pairs[s0 : s0 + step]
         ia = [p[1] for p in grp]
         ib = [p[2] for p in grp]
-        out[[p[0] for p in grp]] = column_median(_ratio(a[:, ia], b[: a.shape[0], ib]))
+        out[[p[0] for p in grp]] = reduce(_ratio(a[:, ia], b[: a.shape[0], ib]))
     return out
 
 
@@ -289,34 +336,31 @@ def _ratio(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return np.asarray(a, dtype=np.float64) / b
 
 
-def health(
-    run: Run,
-    thresholds: HealthThresholds | None = None,
-    *,
-    progress: ProgressCallback | None = None,
-    cache: StatsCache | None = None,
-) -> HealthReport:
-    """Gradient-flow health of every layer of ``run`` (see module docstring).
+@dataclass
+class _Series:
+    """The per-layer series ``[rows, layer]`` the health rules read, from one run's
+    cache: grad, param and update L2 norms (None where the kind is not recorded) and the
+    activation statistics of ``_ACT_SERIES``; ``layers`` is every layer in forward order."""
 
-    Args:
-        run: an open run (:func:`traintape.open_run`).
-        thresholds: override the defaults of :class:`HealthThresholds`.
-        progress: ``callback(stage, done, total)``; a unit is one row block of a stats
-            array read (grad, param, update, activation), plus one for the analysis.
-        cache: a shared stats cache (used by the report so that each array is read once).
-    """
-    th = thresholds or HealthThresholds()
-    if cache is None:
-        cache = StatsCache(run, Tracker(progress))
-    tracker = cache.tracker
-    want_health(run, cache)
-    tracker.add(cache.pending_blocks() + 1)
-    cache.load()
+    steps: np.ndarray
+    g_layers: list[str]
+    g: np.ndarray
+    p_layers: list[str]
+    p: np.ndarray | None
+    u_layers: list[str]
+    u: np.ndarray | None
+    a_layers: list[str]
+    act: dict[str, np.ndarray]
+    layers: list[str]
+
+
+def _load_series(run: Run, cache: StatsCache) -> _Series:
+    """The series of :func:`want_health` (loaded by ``cache``)."""
     kinds = set(run.kinds())
     if Kind.GRAD in kinds:
-        steps, layers, g = layer_norms(run, Kind.GRAD, cache)
+        steps, g_layers, g = layer_norms(run, Kind.GRAD, cache)
     else:
-        steps, layers, g = run.steps, [], np.zeros((run.rows, 0))
+        steps, g_layers, g = run.steps, [], np.zeros((run.rows, 0))
     p_layers: list[str] = []
     p: np.ndarray | None = None
     if Kind.PARAM in kinds:
@@ -325,23 +369,52 @@ def health(
     u: np.ndarray | None = None
     if Kind.UPDATE in kinds:
         _, u_layers, u = layer_norms(run, Kind.UPDATE, cache)
-    all_layers = list(layers) + [x for x in p_layers if x not in set(layers)]
-    grad_nonfinite: dict[str, float] = {}
-    grad_zero_steps: dict[str, float] = {}
-    if Kind.GRAD in kinds and layers:
-        nonfinite, zero_rows, recorded = cache.result(("grad_totals",))
-        for c, layer in enumerate(layers):
-            grad_nonfinite[layer] = float(nonfinite[c])
-            grad_zero_steps[layer] = float(zero_rows[c] / max(int(recorded[c]), 1))
-    act: dict[str, dict[str, float | None]] = {}
+    layers = list(g_layers) + [x for x in p_layers if x not in set(g_layers)]
+    a_layers: list[str] = []
+    act: dict[str, np.ndarray] = {}
     if Kind.ACTIVATION in kinds:
         a_layers = cache.groups(Kind.ACTIVATION).layers
-        ser = {stat: cache.series(Kind.ACTIVATION, stat, how) for stat, how in _ACT_SERIES}
+        act = {stat: cache.series(Kind.ACTIVATION, stat, how) for stat, how in _ACT_SERIES}
+        seen = set(layers)
+        layers += [x for x in a_layers if x not in seen]
+    return _Series(steps, g_layers, g, p_layers, p, u_layers, u, a_layers, act, layers)
+
+
+@dataclass
+class _Facts:
+    """What the rules read per layer besides :class:`LayerHealth`'s fields: non-finite
+    gradient values, fraction of rows with all-zero gradients, activation summary
+    (median zero_frac, abs_mean, mean, std; min of min, max of max) and max grad norm."""
+
+    nonfinite: dict[str, float] = field(default_factory=dict)
+    zero_steps: dict[str, float] = field(default_factory=dict)
+    act: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    gmax: dict[str, float] = field(default_factory=dict)
+
+
+GradTotalsRow = tuple[np.ndarray, np.ndarray, np.ndarray]
+"""One window of :class:`GradTotals`: ``(nonfinite [layer], zero_rows [layer],
+recorded_rows [layer])``."""
+
+
+def _measure(
+    s: _Series, rows: slice, totals: GradTotalsRow | None
+) -> tuple[list[LayerHealth], _Facts]:
+    """Every layer's measures over the rows ``rows`` of ``s`` (issues not yet judged);
+    ``totals``: the grad totals of the same rows."""
+    facts = _Facts()
+    if totals is not None:
+        nonfinite, zero_rows, recorded = totals
+        for c, layer in enumerate(s.g_layers):
+            facts.nonfinite[layer] = float(nonfinite[c])
+            facts.zero_steps[layer] = float(zero_rows[c] / max(int(recorded[c]), 1))
+    if s.act:
+        ser = {k: v[rows] for k, v in s.act.items()}
         meds = {k: column_median(ser[k]) for k in ("zero_frac", "abs_mean", "mean", "std")}
         with _quiet():
             amin, amax = np.nanmin(ser["min"], axis=0), np.nanmax(ser["max"], axis=0)
-        for c, layer in enumerate(a_layers):
-            act[layer] = {
+        for c, layer in enumerate(s.a_layers):
+            facts.act[layer] = {
                 "zero_frac": finite_float(meds["zero_frac"][c]),
                 "min": finite_float(amin[c]),
                 "max": finite_float(amax[c]),
@@ -349,16 +422,16 @@ def health(
                 "mean": finite_float(meds["mean"][c]),
                 "std": finite_float(meds["std"][c]),
             }
-        seen = set(all_layers)
-        all_layers += [x for x in a_layers if x not in seen]
-
+    g = s.g[rows]
+    p = None if s.p is None else s.p[rows]
+    u = None if s.u is None else s.u[rows]
     gm = _grad_measures(g)
-    rel = _ratio_median(g, layers, p, p_layers, layers)
-    upr = _ratio_median(u, u_layers, p, p_layers, u_layers)
-    gcol = {x: i for i, x in enumerate(layers)}
-    ucol = {x: i for i, x in enumerate(u_layers)}
+    rel = _ratio_reduce(g, s.g_layers, p, s.p_layers, s.g_layers)
+    upr = _ratio_reduce(u, s.u_layers, p, s.p_layers, s.u_layers)
+    gcol = {x: i for i, x in enumerate(s.g_layers)}
+    ucol = {x: i for i, x in enumerate(s.u_layers)}
     out: list[LayerHealth] = []
-    for depth, layer in enumerate(all_layers):
+    for depth, layer in enumerate(s.layers):
         lh = LayerHealth(layer=layer, depth=depth)
         if layer in gcol:
             gi = gcol[layer]
@@ -366,25 +439,31 @@ def health(
             lh.grad_norm_cv = finite_float(gm["cv"][gi])
             lh.grad_growth = finite_float(gm["growth"][gi])
             lh.rel_grad = finite_float(rel[gi])
+            facts.gmax[layer] = float(gm["max"][gi])
         if layer in ucol:
             lh.update_ratio = finite_float(upr[ucol[layer]])
-        if layer in act:
-            lh.act_zero_frac = act[layer]["zero_frac"]
+        if layer in facts.act:
+            lh.act_zero_frac = facts.act[layer]["zero_frac"]
         out.append(lh)
+    return out, facts
 
-    tracker.stage("analysing layers")
-    # ---------------------------------------------------------------- per-layer issues
+
+def _judge(
+    out: list[LayerHealth], facts: _Facts, th: HealthThresholds, span: str = "the run"
+) -> list[Issue]:
+    """Add each layer's issues to ``out``; return the run-level issues. ``span`` names
+    the steps measured in messages ("the run", "the window")."""
     rels = [lh.rel_grad for lh in out if lh.rel_grad is not None and lh.rel_grad > 0]
     top_rel = max(rels) if rels else None
     for lh in out:
         L = lh.layer
-        nonfinite = (grad_nonfinite or {}).get(L, 0.0)
+        nonfinite = facts.nonfinite.get(L, 0.0)
         if nonfinite > 0:
             lh.issues.append(_issue(IssueType.EXPLODING, Status.CRITICAL, L,
                                     f"{int(nonfinite)} non-finite gradient values",
                                     nonfinite_values=int(nonfinite)))  # fmt: skip
         elif lh.grad_norm is not None:
-            gmax = float(gm["max"][gcol[L]]) if L in gcol else lh.grad_norm
+            gmax = facts.gmax.get(L, lh.grad_norm)
             if lh.grad_norm > th.exploding_norm or gmax > th.exploding_norm:
                 lh.issues.append(_issue(IssueType.EXPLODING, Status.CRITICAL, L,
                                         f"gradient norm up to {gmax:.3g} (> {th.exploding_norm:g})",
@@ -396,10 +475,10 @@ def health(
                                         update_ratio=lh.update_ratio, grad_growth=lh.grad_growth))  # fmt: skip
             elif lh.grad_growth is not None and lh.grad_growth > th.exploding_growth:
                 lh.issues.append(_issue(IssueType.EXPLODING, Status.WARNING, L,
-                                        f"gradient norm grew {lh.grad_growth:.3g}x over the run",
+                                        f"gradient norm grew {lh.grad_growth:.3g}x over {span}",
                                         grad_growth=lh.grad_growth))  # fmt: skip
         dead_act = lh.act_zero_frac is not None and lh.act_zero_frac >= th.dead_zero_frac
-        dead_grad = (grad_zero_steps or {}).get(L, 0.0) >= th.dead_steps_frac
+        dead_grad = facts.zero_steps.get(L, 0.0) >= th.dead_steps_frac
         if dead_act or dead_grad:
             lh.issues.append(_issue(IssueType.DEAD, Status.CRITICAL, L,
                                     ("activation is zero for "
@@ -407,7 +486,7 @@ def health(
                                      if dead_act else "gradients are exactly zero")
                                     + (" and gradients are all-zero" if dead_act and dead_grad else ""),
                                     act_zero_frac=lh.act_zero_frac,
-                                    grad_zero_steps_frac=(grad_zero_steps or {}).get(L)))  # fmt: skip
+                                    grad_zero_steps_frac=facts.zero_steps.get(L)))  # fmt: skip
         elif (
             nonfinite == 0
             and lh.grad_norm is not None
@@ -425,7 +504,7 @@ def health(
                                     f"the largest layer's ({top_rel or 0:.3g})",
                                     grad_norm=lh.grad_norm, rel_grad=lh.rel_grad,
                                     fraction_of_max=frac))  # fmt: skip
-        a = act.get(L)
+        a = facts.act.get(L)
         if a and a["min"] is not None and a["max"] is not None and a["abs_mean"] is not None:
             lo, hi = a["min"], a["max"]
             sat = False
@@ -468,32 +547,72 @@ def health(
                                      ratio=ratio, fastest=hi_l.layer, slowest=lo_l.layer))  # fmt: skip
     # attention: sibling sub-layers q/k/v under one parent
     by_layer = {lh.layer: lh for lh in out}
-    parents = {split_name(L)[0] for L in by_layer if split_name(L)[1] in ("q", "k", "v")}
-    for parent in sorted(parents):
-        gn = {
-            s: by_layer[f"{parent}/{s}"].grad_norm
-            for s in ("q", "k", "v")
-            if f"{parent}/{s}" in by_layer
-        }
+    for parent, group in qkv_groups(by_layer).items():
+        gn = {s: by_layer[layer].grad_norm for s, layer in group.items()}
         vals = [v for v in gn.values() if v is not None and v > 0]
         if len(vals) >= 2 and max(vals) / min(vals) > th.qkv_ratio:
             iss = _issue(IssueType.ATTENTION_QKV_IMBALANCE, Status.WARNING, parent,
                          f"q/k/v gradient norms differ {max(vals) / min(vals):.3g}x",
                          **{f"grad_norm_{k}": v for k, v in gn.items()})  # fmt: skip
             run_issues.append(iss)
+    return run_issues
 
+
+def _worst(statuses: Iterable[Status]) -> Status:
+    """The most severe of ``statuses`` (healthy when empty)."""
+    sev = set(statuses)
+    return (Status.CRITICAL if Status.CRITICAL in sev
+            else Status.WARNING if Status.WARNING in sev else Status.HEALTHY)  # fmt: skip
+
+
+def _score(
+    out: list[LayerHealth], run_issues: list[Issue], th: HealthThresholds
+) -> tuple[float, Status]:
+    """Set each layer's score and status from its issues; return the run's (score
+    rounded to 0.1, status)."""
     for lh in out:
         pen = sum(th.critical_penalty if i.severity == Status.CRITICAL else th.warning_penalty
                   for i in lh.issues)  # fmt: skip
         lh.score = float(max(0.0, 100.0 - pen))
-        sev = {i.severity for i in lh.issues}
-        lh.status = (Status.CRITICAL if Status.CRITICAL in sev
-                     else Status.WARNING if Status.WARNING in sev else Status.HEALTHY)  # fmt: skip
+        lh.status = _worst(i.severity for i in lh.issues)
     score = float(np.mean([lh.score for lh in out])) if out else 100.0
     score = max(0.0, score - th.warning_penalty / 5 * len(run_issues))
-    sev_all = {i.severity for i in run_issues} | {lh.status for lh in out}
-    status = (Status.CRITICAL if Status.CRITICAL in sev_all
-              else Status.WARNING if Status.WARNING in sev_all else Status.HEALTHY)  # fmt: skip
+    status = _worst([*(i.severity for i in run_issues), *(lh.status for lh in out)])
+    return round(score, 1), status
+
+
+def health(
+    run: Run,
+    thresholds: HealthThresholds | None = None,
+    *,
+    progress: ProgressCallback | None = None,
+    cache: StatsCache | None = None,
+) -> HealthReport:
+    """Gradient-flow health of every layer of ``run`` (see module docstring).
+
+    Args:
+        run: an open run (:func:`traintape.open_run`).
+        thresholds: override the defaults of :class:`HealthThresholds`.
+        progress: ``callback(stage, done, total)``; a unit is one row block of a stats
+            array read (grad, param, update, activation), plus one for the analysis.
+        cache: a shared stats cache (used by the report so that each array is read once).
+    """
+    th = thresholds or HealthThresholds()
+    if cache is None:
+        cache = StatsCache(run, Tracker(progress))
+    tracker = cache.tracker
+    want_health(run, cache)
+    tracker.add(cache.pending_blocks() + 1)
+    cache.load()
+    s = _load_series(run, cache)
+    totals: GradTotalsRow | None = None
+    if s.g_layers:
+        nonfinite, zero_rows, recorded = cache.result(("grad_totals",))
+        totals = (nonfinite[0], zero_rows[0], recorded[0])
+    out, facts = _measure(s, slice(None), totals)
+    tracker.stage("analysing layers")
+    run_issues = _judge(out, facts, th)
+    score, status = _score(out, run_issues, th)
     tracker.advance()
-    return HealthReport(url=run.url, steps=len(steps), layers=out, run_issues=run_issues,
-                        thresholds=th, score=round(score, 1), status=status)  # fmt: skip
+    return HealthReport(url=run.url, steps=len(s.steps), layers=out, run_issues=run_issues,
+                        thresholds=th, score=score, status=status)  # fmt: skip

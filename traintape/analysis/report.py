@@ -2,7 +2,8 @@
 
 Sections: run info; metric curves; layer × step heatmaps of gradient norm and of the
 update/param ratio (log10); weight-distribution evolution (mean ± std and min/max of each
-kernel over steps); health table; anomalies; parameter change. Every name read from the
+kernel over steps); health table and each layer's health per window of steps (about
+:data:`TREND_WINDOWS` windows); anomalies; parameter change. Every name read from the
 store is HTML-escaped.
 """
 
@@ -26,7 +27,13 @@ from traintape.analysis._common import (
 )
 from traintape.analysis.anomalies import AnomalyReport, anomalies, want_anomalies
 from traintape.analysis.change import change_from_stats, parameter_change
-from traintape.analysis.health import HealthReport, health, want_health
+from traintape.analysis.health import HealthReport, health
+from traintape.analysis.health_trend import (
+    HealthTrend,
+    default_window,
+    health_trend,
+    want_health_trend,
+)
 from traintape.schema import Kind
 
 if TYPE_CHECKING:
@@ -213,6 +220,50 @@ def _health_html(h: HealthReport) -> str:
     )
 
 
+TREND_WINDOWS = 10
+"""About how many windows of steps the report's health-over-time table has."""
+
+_MARK = {"healthy": "·", "warning": "▲", "critical": "✖"}
+
+
+def _trend_html(tr: HealthTrend) -> str:
+    """Each layer's status per window (a cell per window, its issues as the tooltip), the
+    changes of status and the issues with the steps they span."""
+    if len(tr.windows) < 2:
+        return ""
+    head = "".join(f"<th>{w.first_step}</th>" for w in tr.windows)
+    rows = []
+    for lt in tr.layers:
+        cells = []
+        for w, st in zip(tr.windows, lt.status, strict=True):
+            types = [i.type.value for i in lt.issues
+                     if i.first_step <= w.first_step and w.last_step <= i.last_step]  # fmt: skip
+            tip = ", ".join(types) or st.value
+            cells.append(f'<td class="{st.value}" title="{_e(tip)}">{_MARK[st.value]}</td>')
+        rows.append(f"<tr><td>{_e(lt.layer)}</td>{''.join(cells)}</tr>")
+    changes = "".join(
+        f"<li>{_e(lt.layer)}: <span class='{c.before.value}'>{c.before.value}</span> → "
+        f"<span class='{c.after.value}'>{c.after.value}</span> at step {c.step}"
+        + (f" ({_e(', '.join(i.value for i in c.issues))})" if c.issues else "")
+        + "</li>"
+        for lt in tr.layers
+        for c in lt.changes
+    )
+    issues = "".join(
+        f'<li class="{i.severity.value}">{_e(i.type.value)} {_e(i.layer or "run")}, steps '
+        f"{i.first_step}..{i.last_step}: {_e(i.message)} — "
+        f'<span class="muted">{_e(i.recommendation)}</span></li>'
+        for i in sorted(tr.issues(), key=lambda i: i.first_step)
+    )
+    return (
+        f"<h3>Health over time (windows of {tr.window} steps; columns: first step)</h3>"
+        f"<table><tr><th>layer</th>{head}</tr>" + "".join(rows) + "</table>"
+        + (f"<p>Status changes:</p><ul>{changes}</ul>" if changes else
+           "<p>No layer changed status.</p>")
+        + (f"<ul>{issues}</ul>" if issues else "")
+    )  # fmt: skip
+
+
 def _anomalies_html(a: AnomalyReport, limit: int = 100) -> str:
     if not a.anomalies:
         return "<p>No anomalies.</p>"
@@ -298,7 +349,8 @@ def render_report(run: Run, *, progress: ProgressCallback | None = None) -> str:
     tracker = Tracker(progress)
     cache = StatsCache(run, tracker)
     # every section's stats are declared first, so each array is read once
-    want_health(run, cache)
+    window = default_window(run.steps, TREND_WINDOWS)
+    want_health_trend(run, cache, window)
     want_anomalies(run, cache)
     if Kind.PARAM in run.kinds():
         pick = _weight_tensors(run)
@@ -361,7 +413,11 @@ def render_report(run: Run, *, progress: ProgressCallback | None = None) -> str:
         "<h2>Weight distributions over steps</h2>"
         + (_img(wf, "weights") if wf else "<p>No params.</p>")
     )
-    body.append("<h2>Health</h2>" + _health_html(health(run, cache=cache)))
+    body.append(
+        "<h2>Health</h2>"
+        + _health_html(health(run, cache=cache))
+        + _trend_html(health_trend(run, window, cache=cache))
+    )
     body.append("<h2>Anomalies</h2>" + _anomalies_html(anomalies(run, cache=cache)))
     ch, chf = _change_html(run, cache)
     tracker.advance()
