@@ -128,6 +128,8 @@ def test_monitor_follows_a_run_written_by_another_process(tmp_path):
     r = cli.invoke(app, ["monitor", url, "--once"])
     flat = " ".join(r.output.split())
     assert "closed" in flat and "30 rows" in flat and "last step 29" in flat
+    # the last row's grad norm of layer net/0: ||full((3, 3), 30)|| = 90
+    assert re.search(r"net/0\s*│\s*90\s", r.output), r.output
     # while it was being written, the monitor saw a committed prefix of the run
     rows = [int(re.search(r"(\d+) rows", " ".join(s.split()))[1]) for s in seen]
     assert all(0 <= n <= 30 for n in rows)

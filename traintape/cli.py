@@ -734,9 +734,11 @@ def monitor(
     """Follow a run while another process writes it (committed rows only)."""
     import time
 
+    import numpy as np
     from rich.live import Live
 
-    from traintape.schema import STAT_INDEX, split_name
+    from traintape.analysis._common import LayerGroups, stat_index
+    from traintape.schema import Kind
 
     if wait > 0 and _store_problem(run) is not None:
         deadline = time.monotonic() + wait
@@ -775,20 +777,23 @@ def monitor(
                 t.add_row(
                     f"[bold]{_safe(c)}[/bold]", f"{col.iloc[-1]:.6g}" if len(col) else "–", ""
                 )
-            norms: dict[str, list[float]] = {}
-            for kind in ("grad", "update", "param"):
-                if kind not in [k.value for k in r.kinds()]:
+            # the last row's per-layer norms, combined as every analysis does (LayerGroups)
+            norms: dict[Kind, dict[str, float]] = {}
+            layers: dict[str, None] = {}  # forward order, grad's layers first
+            for kind in (Kind.GRAD, Kind.UPDATE, Kind.PARAM):
+                if kind not in r.kinds():
                     continue
-                data = r.stats_array(kind, rows=last)[0, :, STAT_INDEX["l2"]]
-                for n, v in zip(r.tensor_names(kind), data, strict=True):
-                    layer = split_name(n)[0]
-                    norms.setdefault(f"{kind}:{layer}", []).append(float(v) ** 2)
-            layers = sorted({k.split(":", 1)[1] for k in norms})
+                groups = LayerGroups(r, kind)
+                l2 = r.stats_array(kind, rows=last)[:, :, stat_index(r, "l2")]
+                norms[kind] = dict(zip(groups.layers, groups.reduce(l2, "norm")[0], strict=True))
+                layers.update(dict.fromkeys(groups.layers))
             for layer in layers:
-                g = norms.get(f"grad:{layer}")
-                u, p = norms.get(f"update:{layer}"), norms.get(f"param:{layer}")
-                gs = f"{sum(g) ** 0.5:.3g}" if g else "–"
-                us = f"{(sum(u) / sum(p)) ** 0.5:.3g}" if u and p and sum(p) > 0 else "–"
+                g = norms.get(Kind.GRAD, {}).get(layer)
+                u, p = norms.get(Kind.UPDATE, {}).get(layer), norms.get(Kind.PARAM, {}).get(layer)
+                gs = f"{g:.3g}" if g is not None and np.isfinite(g) else "–"
+                us = "–"
+                if u is not None and p is not None and p > 0 and np.isfinite(u):
+                    us = f"{u / p:.3g}"
                 t.add_row(_safe(layer), gs, us)
         return t
 
