@@ -20,7 +20,7 @@ from traintape.core.errors import NotAStoreError
 from traintape.core.kvstore import local_path, normalize_url
 from traintape.core.store import inspect_location, open_array, read_manifest
 from traintape.core.system import is_system
-from traintape.schema import STAT_NAMES, Event, Kind, Manifest, TensorSpec
+from traintape.schema import Event, Kind, Manifest, TensorSpec
 
 if TYPE_CHECKING:
     import xarray as xr
@@ -99,7 +99,9 @@ class Run:
         r = rows or slice(0, self.rows)
         start, stop, _ = r.indices(self.rows)
         if stop <= start:
-            return np.zeros((0, len(names) if tensors is None else len(tensors), len(STAT_NAMES)))
+            return np.zeros(
+                (0, len(names) if tensors is None else len(tensors), len(self.manifest.stat_names))
+            )
         arr = self.array(L.stats_path(kind))[start:stop]
         if tensors is not None:
             idx = [names.index(t) for t in tensors]
@@ -108,39 +110,61 @@ class Run:
         return np.asarray(arr.read().result())
 
     def stats(
-        self, kind: Kind | str, tensors: list[str] | None = None, rows: slice | None = None
+        self,
+        kind: Kind | str,
+        tensors: list[str] | None = None,
+        rows: slice | None = None,
+        *,
+        lazy: bool = False,
+        block_rows: int | None = None,
     ) -> pd.DataFrame:
         """Long table: one row per (step, tensor) with a column per stat.
 
-        Columns: ``step``, ``tensor``, then :data:`~traintape.schema.STAT_NAMES`. Rows
-        where the kind was not recorded are dropped. ``rows``: only these committed rows
-        (a slice of the row axis; to stream a large store block by block).
+        Columns: ``step``, ``tensor``, then the store's statistics (``manifest.stat_names``).
+        Rows where the kind was not recorded are dropped. ``rows``: only these committed
+        rows (a slice of the row axis; to stream a large store block by block).
+
+        ``lazy``: a dask DataFrame instead (needs ``dask[dataframe]``), one partition per
+        block of ``block_rows`` store rows (default: whole row chunks, about 64 MiB of
+        stat vectors); nothing is read until it is computed, and a computation reads only
+        the blocks it needs — for stores whose long table does not fit in memory.
         """
+        if lazy:
+            from traintape.core.lazy import lazy_stats
+
+            return lazy_stats(self, kind, tensors, rows, block_rows)
         kind = Kind(kind)
         names = tensors if tensors is not None else self.tensor_names(kind)
         data = self.stats_array(kind, tensors, rows=rows)
         start = (rows or slice(0, self.rows)).indices(self.rows)[0]
         n_rows, n_t, n_s = data.shape
-        df = pd.DataFrame(data.reshape(n_rows * n_t, n_s), columns=list(STAT_NAMES))
+        df = pd.DataFrame(data.reshape(n_rows * n_t, n_s), columns=list(self.manifest.stat_names))
         df.insert(0, "tensor", np.tile(np.asarray(names, dtype=object), n_rows))
         df.insert(0, "step", np.repeat(self.steps[start : start + n_rows], n_t))
         present = ~np.isnan(data).all(axis=2).reshape(-1)
         return df[present].reset_index(drop=True)
 
-    def dataset(self) -> xr.Dataset:
+    def dataset(self, *, lazy: bool = False, block_rows: int | None = None) -> xr.Dataset:
         """All committed stats and metrics as an xarray Dataset (dims row/tensor/stat).
 
         Variables ``stats_<kind>`` have dims ``(step, tensor_<kind>, stat)``; metrics are
-        ``metric_<name>`` over ``step``.
+        ``metric_<name>`` over ``step``. ``lazy``: the stats variables are dask arrays
+        chunked by ``block_rows`` store rows (see :meth:`stats`), read on compute.
         """
         import xarray as xr
 
-        coords: dict[str, Any] = {"step": self.steps, "stat": list(STAT_NAMES)}
+        coords: dict[str, Any] = {"step": self.steps, "stat": list(self.manifest.stat_names)}
         data_vars: dict[str, Any] = {}
         for kind in self.kinds():
             dim = f"tensor_{kind.value}"
             coords[dim] = self.tensor_names(kind)
-            data_vars[f"stats_{kind.value}"] = (("step", dim, "stat"), self.stats_array(kind))
+            if lazy:
+                from traintape.core.lazy import lazy_stats_array
+
+                values: Any = lazy_stats_array(self, kind, block_rows)
+            else:
+                values = self.stats_array(kind)
+            data_vars[f"stats_{kind.value}"] = (("step", dim, "stat"), values)
         for name, col in self.metrics().items():
             data_vars[f"metric_{name}"] = ("step", col.reindex(self.steps).to_numpy())
         return xr.Dataset(data_vars, coords=coords, attrs={"run_id": self.manifest.run_id})
