@@ -27,9 +27,10 @@ from conformance.worker import FRAMEWORKS, store_path
 
 DTYPES = ("float32", "float64")
 ADAM_CONFIGS = ("float32+adam", "float64+adam")
-ADAM_FRAMEWORKS = ("torch", "jax-linen", "jax-nnx")
-"""Adam runs where the update rules agree (torch Adam ⇔ optax.adam); Keras Adam places ε
-differently (README)."""
+ADAM_FRAMEWORKS = ("torch", "tf", "jax-linen", "jax-nnx")
+"""Adam runs in every framework: torch ``Adam`` ⇔ ``optax.adam`` ⇔ Keras ``Adam`` with
+ε_K(t) = ε·√(1−β₂ᵗ) (Keras adds ε to the uncorrected √v; README). The Adam cells also
+compare ``opt_state`` (``<param>/mu``, ``<param>/nu``)."""
 ADAM_MODELS = ("mlp", "transformer")
 
 TOLERANCES: dict[str, dict[str, dict[str, float]]] = {

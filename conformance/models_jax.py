@@ -188,7 +188,7 @@ def train_linen(
     x, y = S.batches(model_name, dtype)
     if jax.process_count() > 1:
         params, stats, x, y = data_parallel(jax, params, stats, x, y)
-    with recorder(url, model_name) as rec:
+    with recorder(url, model_name, optimizer) as rec:
         tx = ttj.watch(_tx(optimizer), rec)
 
         def loss_fn(p: Any, st: Any, xb: Any, yb: Any) -> Any:
@@ -360,7 +360,7 @@ def train_nnx(
     model = nnx_model(model_name, dtype)
     load_nnx(model, S.initial_weights(model_name, dtype))
     x, y = S.batches(model_name, dtype)
-    with recorder(url, model_name) as rec:
+    with recorder(url, model_name, optimizer) as rec:
         opt = nnx.Optimizer(model, ttj.watch(_tx(optimizer), rec),
                             wrt=nnx.Param)  # fmt: skip
         vg = ttj.nnx_value_and_grad(lambda m, xb, yb: _mse(m(xb), yb), recorder=rec,

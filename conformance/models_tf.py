@@ -1,7 +1,8 @@
 """The conformance models in Keras 3 / TensorFlow (layer names = canonical layer names).
 
-Trained with ``model.fit`` and ``traintape.keras.Callback`` (param, grad, update and
-activation capture; probe activations snapshotted on full-capture steps).
+Trained with ``model.fit`` and ``traintape.keras.Callback`` (param, grad, update,
+activation and, with Adam, opt_state capture; probe activations snapshotted on
+full-capture steps).
 """
 
 from __future__ import annotations
@@ -76,19 +77,52 @@ def build(model_name: str, dtype: str = "float32") -> Any:
     return keras.Model(x, out, name=model_name)
 
 
+def _adam(keras: Any) -> Any:
+    """``keras.optimizers.Adam`` with torch/optax's ε placement.
+
+    Keras adds its ε to the *uncorrected* √v: θ −= lr·√(1−β₂ᵗ)/(1−β₁ᵗ) · m/(√v + ε_K);
+    torch and optax to the bias-corrected √v̂ = √v/√(1−β₂ᵗ): θ −= lr·m̂/(√v̂ + ε), which
+    is the same expression with ε_K = ε·√(1−β₂ᵗ). No constant ε_K matches every step, so
+    step t runs Keras's own ``update_step`` (moments, bias correction and all) with
+    ε_K(t) = :func:`conformance.spec.keras_adam_epsilon` (t = 1, 2, ...: Keras's
+    ``iterations + 1``).
+
+    The embedding's gradient (``tf.IndexedSlices``, one row per token occurrence) is made
+    dense first: Keras squares the rows before summing them, so a token seen k times in
+    a batch adds Σ gᵢ² to ``v`` instead of (Σ gᵢ)²; torch and optax take the dense
+    gradient. SGD with momentum is linear in g, so it needs none.
+    """
+    import tensorflow as tf
+
+    ops = keras.ops
+
+    class TorchEpsilonAdam(keras.optimizers.Adam):
+        def update_step(self, gradient: Any, variable: Any, learning_rate: Any) -> None:
+            gradient = tf.convert_to_tensor(gradient)  # IndexedSlices -> dense
+            eps: Any = self.epsilon
+            t = ops.cast(self.iterations + 1, variable.dtype)
+            self.epsilon = S.keras_adam_epsilon(t, ops)
+            try:
+                super().update_step(gradient, variable, learning_rate)
+            finally:
+                self.epsilon = eps
+
+    return TorchEpsilonAdam(S.ADAM_LR, beta_1=S.ADAM_B1, beta_2=S.ADAM_B2, epsilon=S.ADAM_EPS)
+
+
 def _optimizer(keras: Any, name: str) -> Any:
     if name == "sgd":
         return keras.optimizers.SGD(learning_rate=S.LR, momentum=S.MOMENTUM)
-    if name == "adam":  # epsilon placement differs from torch/optax: see README
-        return keras.optimizers.Adam(S.ADAM_LR, beta_1=S.ADAM_B1, beta_2=S.ADAM_B2,
-                                     epsilon=S.ADAM_EPS)  # fmt: skip
+    if name == "adam":
+        return _adam(keras)
     raise ValueError(name)
 
 
 def train(
     model_name: str, url: str, dtype: str, steps: int = S.STEPS, optimizer: str = "sgd"
 ) -> None:
-    """Train ``model_name`` for ``steps`` SGD-momentum steps with ``fit``, recording."""
+    """Train ``model_name`` for ``steps`` steps of ``optimizer`` (SGD with momentum or
+    Adam) with ``fit``, recording."""
     keras = _keras(dtype)
     import traintape.keras as ttk
     from conformance.policy import recorder
@@ -101,7 +135,7 @@ def train(
         loss="mse",
     )
     probe = S.probe(model_name, dtype)
-    with recorder(url, model_name) as rec:
+    with recorder(url, model_name, optimizer) as rec:
         cb = ttk.Callback(rec, probe=probe, metrics=False)
         model.fit(
             x[:steps].reshape(-1, *x.shape[2:]),

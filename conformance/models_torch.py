@@ -107,16 +107,18 @@ def train(
     *,
     weights: dict[str, Any] | None = None,
     mutate: Callable[[nn.Module], None] | None = None,
-    boundaries: str = "step",
+    boundaries: str | None = None,
     optimizer: str = "sgd",
     parallel: str | None = None,
 ) -> None:
     """Train ``model_name`` for ``steps`` SGD-momentum steps, recording into ``url``.
 
-    ``boundaries``: ``'step'`` (default) watches without the optimizer and calls
-    ``handle.step()`` after each update; ``'optimizer'`` uses the optimizer's step hooks.
-    Both take step t's ``param`` — BatchNorm running statistics included — before batch
-    t's forward pass, as Keras and JAX record it (a test checks the two stores agree).
+    ``boundaries``: ``'step'`` watches without the optimizer and calls
+    ``handle.step()`` after each update; ``'optimizer'`` uses the optimizer's step hooks
+    (and records ``opt_state``, which needs the optimizer). Both take step t's ``param``
+    — BatchNorm running statistics included — before batch t's forward pass, as Keras
+    and JAX record it (a test checks the two stores agree). Default: ``'optimizer'`` for
+    Adam (whose ``opt_state`` the Adam cells compare), ``'step'`` for SGD.
     ``weights`` (default :func:`conformance.spec.initial_weights`)
     and ``mutate`` (called on the loaded model) exist for the negative controls.
     ``parallel`` (``'ddp'`` or ``'fsdp2'``, in an initialised process group): the model is
@@ -148,11 +150,13 @@ def train(
     else:
         raise ValueError(optimizer)
     probe = torch.from_numpy(S.probe(model_name, dtype))
+    if boundaries is None:
+        boundaries = "optimizer" if optimizer == "adam" else "step"
     if boundaries not in ("step", "optimizer"):
         raise ValueError(boundaries)
     hooked = opt if boundaries == "optimizer" else None
     with (
-        recorder(url, model_name) as rec,
+        recorder(url, model_name, optimizer) as rec,
         ttt.watch(model, rec, optimizer=hooked, probe=probe) as handle,
     ):
         model.train()

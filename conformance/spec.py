@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -40,9 +41,11 @@ ADAM_B1 = 0.875
 ADAM_B2 = 1.0 - 2.0**-7
 ADAM_EPS = 2.0**-10
 """Adam (torch ``Adam`` ⇔ ``optax.adam``: θ −= lr·m̂/(√v̂ + ε) in both). Keras Adam adds ε
-to the *uncorrected* √v, so it is not run with Adam (see README). For a gradient element
-|g| ≪ ε the update is ≈ lr·g/ε: Adam amplifies the gradient's rounding noise by lr/ε
-(8192 with ε = 2⁻²⁰, which put float32 update errors at 1e-6); ε = 2⁻¹⁰ keeps it at 8."""
+to the *uncorrected* √v; its conformance optimizer takes ε_K(t) = ε·√(1−β₂ᵗ) at step t
+(:func:`keras_adam_epsilon`, README). For a gradient element |g| ≪ ε the update is
+≈ lr·g/ε: Adam amplifies the gradient's rounding noise by lr/ε (8192 with ε = 2⁻²⁰,
+which put float32 update errors at 1e-6); ε = 2⁻¹⁰ keeps it at 8."""
+
 GELU_C = math.sqrt(2.0 / math.pi)
 GELU_A = 0.044715
 """GELU, tanh approximation, written out with these Python-float constants in every
@@ -153,6 +156,14 @@ def dtype_of(config: str) -> str:
 def optimizer_of(config: str) -> str:
     """``'float64+adam'`` → ``'adam'``; a bare dtype → ``'sgd'`` (SGD with momentum)."""
     return config.partition("+")[2] or "sgd"
+
+
+def keras_adam_epsilon(t: Any, ops: Any = None) -> Any:
+    """The ε Keras's Adam must add to its uncorrected √v at step ``t`` (1, 2, ...) to
+    apply torch/optax's update: lr·√(1−β₂ᵗ)/(1−β₁ᵗ)·m/(√v + ε_K) = lr·m̂/(√v̂ + ε) exactly
+    when ε_K = ε·√(1−β₂ᵗ). ``ops``: ``keras.ops`` for a tensor ``t`` (else numpy)."""
+    xp = np if ops is None else ops
+    return ADAM_EPS * xp.sqrt(1.0 - xp.power(ADAM_B2, t))
 
 
 def _rng(*keys: str | int) -> np.random.Generator:

@@ -4,9 +4,11 @@ Keras's compiled train step computes gradients internally, so the callback obser
 the model's optimizer (:func:`~traintape.adapters.tf.optimizer.observe_optimizer`):
 when the train step applies gradients it records, in one host transfer, ``param``
 (θ_t, plus BatchNorm running statistics as they were before batch t), ``grad``,
-``update`` (θ_{t+1} − θ_t) and ``activation`` stats of every parametrised layer's
-output on batch t (``<layer>/output``, channels-last as Keras computes them; stats
-only, no snapshots of training batches). ``logs`` metrics are logged per step
+``update`` (θ_{t+1} − θ_t), ``opt_state`` when the policy records it (the optimizer's
+slots after the step, ``<param>/mu``, ``<param>/nu``, ``<param>/trace``...:
+:mod:`~traintape.adapters.tf.opt_state`) and ``activation`` stats of every parametrised
+layer's output on batch t (``<layer>/output``, channels-last as Keras computes them;
+stats only, no snapshots of training batches). ``logs`` metrics are logged per step
 (``loss``, compiled metrics — Keras reports running means over the epoch — and
 ``lr``). Step t = ``optimizer.iterations`` before the update. Works for Sequential,
 Functional and subclassed models; ``steps_per_execution > 1`` is fine for tensors
@@ -77,7 +79,7 @@ class Callback(keras.callbacks.Callback):
                          adapter="traintape.keras", stats_backend=stats_backend())  # fmt: skip
         opt = model.optimizer
         observe_optimizer(opt, rec, model=model, name_map=self.name_map,
-                          kinds=(Kind.PARAM, Kind.GRAD, Kind.UPDATE))  # fmt: skip
+                          kinds=(Kind.PARAM, Kind.GRAD, Kind.UPDATE, Kind.OPT_STATE))  # fmt: skip
         obs = observer(opt)
         assert obs is not None
         entries = model_entries(model, self.name_map)

@@ -6,8 +6,9 @@
 1. reads ``step = optimizer.iterations`` (completed optimizer steps = step t) and the
    variables' values θ_t (only inside the capture branch's data flow),
 2. calls the original ``apply``,
-3. reads θ_{t+1} and records ``update`` (and, for the Keras callback, also ``param`` =
-   θ_t, ``grad`` and activations) in one host transfer.
+3. reads θ_{t+1} and records ``update`` and ``opt_state`` (the optimizer's slots after
+   the step, :mod:`.opt_state`; when the policy records that kind) — and, for the Keras
+   callback, also ``param`` = θ_t, ``grad`` and activations — in one host transfer.
 
 It works eagerly and inside ``tf.function`` (TF's automatic control dependencies order
 the reads around the optimizer's assignments). :func:`unobserve_optimizer` restores it.
@@ -27,6 +28,7 @@ from traintape.schema import Kind
 
 from .capture import Group, declare, emit, selected
 from .names import Entry, variable_entries
+from .opt_state import Slot, find_slots
 
 _OBSERVERS: dict[int, _Observer] = {}
 
@@ -55,10 +57,26 @@ class _Observer:
         self.extra: list[Callable[[], list[Group]]] = []  # more groups (activations)
         self.state: list[tuple[Entry, Any]] = []  # (running-stat entry, θ_t shadow variable)
         self.orig = optimizer.apply
-        self._cache: dict[tuple[int, ...], list[Entry]] = {}
+        self._slots: dict[tuple[int, ...], list[Slot]] = {}
 
     def entries(self, variables: Sequence[Any]) -> list[list[Entry]]:
         return variable_entries(variables, self.model, self.name_map)
+
+    def slots(self, ents: list[Entry]) -> list[Slot]:
+        """The optimizer slots of ``ents`` recorded as ``opt_state`` (declared; found
+        once per set of entries, after the optimizer is built)."""
+        rec = self.recorder
+        if Kind.OPT_STATE not in self.kinds or not rec.policy.records_kind(Kind.OPT_STATE):
+            return []
+        key = tuple(id(e.variable) for e in ents)
+        got = self._slots.get(key)
+        if got is None:
+            got = [s for s in find_slots(self.optimizer, ents) if rec.policy.selects(s.name)]
+            if not got:
+                return []  # not built yet (or no state): look again next time
+            self._slots[key] = got
+            rec.declare([s.spec for s in got])
+        return got
 
     @tf.autograph.experimental.do_not_convert
     def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
@@ -79,7 +97,7 @@ class _Observer:
         pairs = [p for p in pairs if rec.policy.selects(p[0].name)]
         ents = [e for e, _ in pairs]
         for k in self.kinds:
-            if k != Kind.PARAM or not self.state:
+            if k != Kind.OPT_STATE and (k != Kind.PARAM or not self.state):
                 declare(rec, k, ents)
         extra = [g for f in self.extra for g in f()]
         wanted = any(rec.policy.records_kind(k) for k in self.kinds) or extra
@@ -108,6 +126,10 @@ class _Observer:
         if Kind.UPDATE in self.kinds:
             groups.append(Group(Kind.UPDATE, names, lambda: [
                 e.read() - b for e, b in zip(ents, _dense(before), strict=True)]))  # fmt: skip
+        slots = self.slots(ents)  # read after the step, like θ_{t+1}
+        if slots:
+            groups.append(Group(Kind.OPT_STATE, [s.name for s in slots],
+                                lambda: [s.read() for s in slots]))  # fmt: skip
         emit(rec, step, groups)
         self._sync()
         return out
@@ -146,14 +168,17 @@ def observe_optimizer(
     *,
     model: Any = None,
     name_map: NameMap = None,
-    kinds: Sequence[Kind | str] = (Kind.UPDATE,),
+    kinds: Sequence[Kind | str] = (Kind.UPDATE, Kind.OPT_STATE),
 ) -> Any:
-    """Record ``kinds`` (default ``update``) each time ``optimizer`` applies gradients.
+    """Record ``kinds`` (default ``update`` and ``opt_state``) each time ``optimizer``
+    applies gradients; a kind the recorder's policy does not record is skipped.
 
     Args:
         model: names tensors as :func:`~traintape.adapters.tf.names.model_entries` does;
             without it names come from ``variable.path``.
-        kinds: any of ``param`` (θ_t), ``grad``, ``update``; the step is the optimizer's
+        kinds: any of ``param`` (θ_t), ``grad``, ``update`` (θ_{t+1} − θ_t),
+            ``opt_state`` (the optimizer's slots after the step, ``<param>/mu``...: see
+            :mod:`~traintape.adapters.tf.opt_state`); the step is the optimizer's
             ``iterations`` before the update.
     Returns the same optimizer (observed in place; observing twice replaces the first).
     """

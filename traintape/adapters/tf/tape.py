@@ -5,7 +5,9 @@ returns and records ``grad`` (∇L(θ_t)) and ``param`` (θ_t) of the watched va
 their canonical names/layouts, eagerly or inside ``tf.function`` (one host transfer per
 step, full tensors only on full-capture steps). With ``optimizer=`` the optimizer is
 observed too (:func:`~traintape.adapters.tf.optimizer.observe_optimizer`) so ``update``
-is recorded when it applies the gradients, and the step is ``optimizer.iterations``.
+(and ``opt_state``, the optimizer's slots after the step, when the policy records that
+kind: :mod:`~traintape.adapters.tf.opt_state`) is recorded when it applies the
+gradients, and the step is ``optimizer.iterations``.
 With ``model=`` the outputs of the model's parametrised layers called with
 ``training=True`` inside the tape are recorded as ``activation`` (stats over the batch,
 the names the Keras callback gives them; :mod:`~traintape.adapters.tf.activations`).
@@ -58,8 +60,8 @@ class GradientTape(tf.GradientTape):
             :mod:`traintape.adapters.tf.names`) and activations (layer outputs of calls
             with ``training=True`` inside the tape); without it names come from
             ``variable.path`` (e.g. ``dense/kernel``) and no activations are recorded.
-        optimizer: optional Keras optimizer; observed so ``update`` is recorded, and its
-            ``iterations`` is the step.
+        optimizer: optional Keras optimizer; observed so ``update`` (and ``opt_state``
+            when the policy records it) is recorded, and its ``iterations`` is the step.
         step: explicit optimizer step (int or scalar int tensor); overrides the others.
         name_map: rename canonical names (mapping or callable; see core.naming).
         persistent, watch_accessed_variables: as in ``tf.GradientTape``.
