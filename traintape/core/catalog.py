@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 
-from traintape.core.kvstore import KvStore, local_path, normalize_url
+from traintape.core.kvstore import KvStore, Location, local_path, normalize_url
 
 
 def _is_run(meta: object) -> bool:
@@ -20,7 +20,7 @@ def _is_run(meta: object) -> bool:
     )
 
 
-def find_stores(root: str, depth: int = 3) -> list[str]:
+def find_stores(root: Location, depth: int = 3) -> list[str]:
     """Runs under ``root`` at most ``depth`` levels down, sorted.
 
     Local directories (a path or ``file://``) are walked and return paths; other URLs
@@ -28,7 +28,7 @@ def find_stores(root: str, depth: int = 3) -> list[str]:
     prefix — reading only the ``zarr.json`` of candidate groups, never a chunk — and
     return URLs (``<root>/<sub>/``).
     """
-    path = local_path(normalize_url(root)) if "://" in root else root
+    path = local_path(normalize_url(root))
     if path is not None:
         return _find_local(path, depth)
     return _find_remote(normalize_url(root), depth)

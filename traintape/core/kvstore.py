@@ -27,12 +27,56 @@ Recorder and a reader opened in the same process, caches/thread pools are reused
 remote operations give up after a few retries (:func:`_retries`)."""
 
 
-def normalize_url(url: str | os.PathLike[str]) -> str:
-    """Return a kvstore URL ending in ``/``: local paths become ``file://<abs path>/``."""
+SPEC_PREFIX = "tsspec:"
+"""Prefix of a location given as a TensorStore kvstore spec (see :func:`normalize_url`)."""
+
+Location = str | os.PathLike[str] | dict[str, Any]
+"""Where a store is: a local path, a kvstore URL, or a TensorStore kvstore spec (a dict,
+or its JSON text)."""
+
+
+def normalize_url(url: Location) -> str:
+    """Return the location as a URL string ending in ``/``.
+
+    Local paths become ``file://<abs path>/``. A TensorStore kvstore spec — a dict such as
+    ``{"driver": "s3", "bucket": "b", "path": "runs/a", "endpoint": "http://..."}`` or
+    its JSON text — becomes ``tsspec:<canonical JSON>/`` (a ``file`` spec becomes its
+    ``file://`` URL), so it goes wherever a URL goes; keys inside the store are appended
+    after the JSON and join the spec's ``path`` when the kvstore is opened
+    (:func:`kvstore_spec`). Raises ValueError naming a malformed spec.
+    """
+    if isinstance(url, dict):
+        return _spec_url(url)
     s = os.fspath(url)
-    if "://" not in s:
+    if s.lstrip().startswith("{"):
+        try:
+            spec = json.loads(s)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"store location {s!r} is neither a path nor a URL nor JSON: {e}"
+            ) from None
+        return _spec_url(spec)
+    if "://" not in s and not s.startswith(SPEC_PREFIX):
         s = "file://" + os.path.abspath(os.path.expanduser(s))
     return s if s.endswith("/") else s + "/"
+
+
+def _spec_url(spec: Any) -> str:
+    if not isinstance(spec, dict) or not isinstance(spec.get("driver"), str):
+        raise ValueError(f"a kvstore spec is a JSON object with a 'driver': got {spec!r}")
+    if spec["driver"] == "file" and set(spec) <= {"driver", "path"}:
+        return normalize_url(str(spec.get("path", ".")))
+    try:
+        ts.KvStore.Spec(spec)  # TensorStore's own check of the spec
+    except Exception as e:
+        raise ValueError(f"invalid kvstore spec {spec!r}: {e}") from None
+    text = json.dumps(spec, sort_keys=True, separators=(",", ":"))
+    return f"{SPEC_PREFIX}{text}/"
+
+
+def is_local(url: Location) -> bool:
+    """True for a location on the local filesystem (a path or ``file://``)."""
+    return local_path(normalize_url(url)) is not None
 
 
 def local_path(url: str) -> str | None:
@@ -53,19 +97,34 @@ def kvstore_spec(url: str, key: str = "") -> str | dict[str, Any]:
     endpoint ``$AWS_ENDPOINT_URL_S3`` or ``$AWS_ENDPOINT_URL`` (MinIO, a local test
     server, any S3-compatible store), region ``$AWS_REGION`` or ``$AWS_DEFAULT_REGION``;
     credentials come from TensorStore's AWS credential chain (``AWS_ACCESS_KEY_ID`` /
-    ``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, instance metadata). Every other URL
-    (``file://``, ``gs://``, ``memory://``) is TensorStore's own URL syntax.
+    ``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, instance metadata). A spec location
+    (``tsspec:``, :func:`normalize_url`) is the spec with the key joined to its ``path``
+    (an S3 spec takes the environment's endpoint/region only where it sets none). Every
+    other URL (``file://``, ``gs://``, ``memory://``) is TensorStore's own URL syntax.
     """
     full = join(url, key) if key else normalize_url(url)
+    if full.startswith(SPEC_PREFIX):
+        spec, end = json.JSONDecoder().raw_decode(full, len(SPEC_PREFIX))
+        base = str(spec.get("path", ""))
+        sub = full[end:].strip("/")
+        if sub:
+            spec["path"] = f"{base.rstrip('/')}/{sub}/" if base else f"{sub}/"
+        elif base and not base.endswith("/"):
+            spec["path"] = base + "/"
+        return _s3_defaults(spec) if spec["driver"] == "s3" else spec
     if not full.startswith("s3://"):
         return full
     bucket, _, path = full[len("s3://") :].partition("/")
-    spec: dict[str, Any] = {"driver": "s3", "bucket": bucket, "path": path}
+    return _s3_defaults({"driver": "s3", "bucket": bucket, "path": path})
+
+
+def _s3_defaults(spec: dict[str, Any]) -> dict[str, Any]:
+    """Endpoint and region from the AWS environment where the spec does not set them."""
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    if endpoint:
+    if endpoint and "endpoint" not in spec:
         spec["endpoint"] = endpoint
     region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-    if region:
+    if region and "aws_region" not in spec:
         spec["aws_region"] = region
     return spec
 

@@ -7,7 +7,6 @@ still writing the store.
 
 from __future__ import annotations
 
-import os
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +16,7 @@ import tensorstore as ts
 
 from traintape.core import layout as L
 from traintape.core.errors import NotAStoreError
-from traintape.core.kvstore import local_path, normalize_url
+from traintape.core.kvstore import Location, local_path, normalize_url
 from traintape.core.store import inspect_location, open_array, read_manifest
 from traintape.core.system import is_system
 from traintape.schema import Event, Kind, Manifest, TensorSpec
@@ -26,7 +25,7 @@ if TYPE_CHECKING:
     import xarray as xr
 
 
-def open_run(url: str | os.PathLike[str]) -> Run:
+def open_run(url: Location) -> Run:
     """Open a traintape store for reading (local path or TensorStore kvstore URL).
 
     Raises:

@@ -17,7 +17,6 @@ plus the open step.
 
 from __future__ import annotations
 
-import os
 import platform
 import socket
 import threading
@@ -39,7 +38,7 @@ from traintape.core.errors import (
 )
 from traintape.core.group import ProcessGroup, check_group, detect
 from traintape.core.inputs import check_array, check_metric, check_step, check_user
-from traintape.core.kvstore import KvStore, normalize_url
+from traintape.core.kvstore import KvStore, Location, normalize_url
 from traintape.core.registry import TensorRegistry
 from traintape.core.rows import NonfiniteEvents, RowState
 from traintape.core.stats import backend as host_backend
@@ -130,7 +129,7 @@ class Recorder:
 
     def __init__(
         self,
-        url: str | os.PathLike[str] = "runs/run",
+        url: Location = "runs/run",
         policy: CapturePolicy | None = None,
         *,
         run_id: str | None = None,

@@ -10,7 +10,6 @@ recorded steps; no array exists that the manifest does not account for (orphans)
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +19,7 @@ import tensorstore as ts
 
 from traintape.core import layout as L
 from traintape.core.errors import NotAStoreError
-from traintape.core.kvstore import KvStore, local_path, normalize_url
+from traintape.core.kvstore import KvStore, Location, local_path, normalize_url
 from traintape.core.store import inspect_location, open_array, read_manifest, storage_dtype
 from traintape.schema import N_STATS, Kind, Manifest, SchemaVersionError
 
@@ -44,9 +43,7 @@ class ValidationReport:
         return self.ok
 
 
-def validate(
-    url: str | os.PathLike[str], progress: Callable[[int, int], None] | None = None
-) -> ValidationReport:
+def validate(url: Location, progress: Callable[[int, int], None] | None = None) -> ValidationReport:
     """Validate the store at ``url``; never raises for a bad store, reports instead.
 
     ``progress(chunks_checked, total_chunks)`` is called as chunks are read (for progress
