@@ -17,6 +17,47 @@ steps (:mod:`~traintape.analysis.health_trend`) also TURBULENT, PRESSURE_SPIKE a
 ACCELERATING. A layer's score is ``100 − Σ penalties`` (critical 60, warning 25, floored
 at 0); status is ``critical`` with any critical issue, ``warning`` with any warning, else
 ``healthy``. :mod:`~traintape.analysis.health_compare` compares two runs' health.
+
+**Frozen layers.** In a run that records gradients, a layer whose tensors are recorded as
+``param`` but none as ``grad`` is *frozen* (``requires_grad=False``: a LoRA/PEFT base
+model, a frozen encoder): the adapters record no gradient for it on purpose. It is
+listed in :attr:`HealthReport.frozen` and marked :attr:`LayerHealth.frozen`, carries no
+penalty, and is never VANISHING, DEAD or EXPLODING (SATURATED, an activation rule, still
+applies). A gradient recorded as exact zeros is not frozen — that is DEAD (e.g. a
+``detach`` by mistake). A layer with some tensors frozen is judged on its trainable ones.
+
+**LoRA factors** (layer kind ``lora``: ``<layer>/lora_A``, ``<layer>/lora_B``, see
+:func:`~traintape.analysis.change.lora_pairs`) are judged as parts of the layer they
+adapt, whose weight is ``W = W_base + s·A·B``, not by their own ratios: ``B`` starts at
+exactly 0 (an embedding adapter's ``A``), so ``‖ΔB‖/‖B‖`` is about ``1/t`` under Adam
+whatever the learning rate and ``‖g_B‖/‖B‖`` is unbounded early, and ``A``'s gradient
+``s·g_W·Bᵀ`` is proportional to ``B``. Per step, with ``u`` the update, ``g`` the
+gradient and Frobenius norms (:class:`LoraHealth`, medians over steps):
+
+- effective update ratio of ``A``: ``s·‖u_A‖·(‖B‖ + ‖u_B‖) / ‖W_base‖``, of ``B``:
+  ``s·‖A‖·‖u_B‖ / ‖W_base‖`` — they add up to an upper bound of
+  ``‖Δ(s·A·B)‖ / ‖W_base‖``, the step's relative change of the layer's effective weight
+  (``A'B' − AB = u_A·B' + A·u_B``). It replaces ``update_ratio`` in the EXPLODING ratio
+  rule; without a recorded base weight the rule is skipped for the factors (their own
+  ratio is no measure: the zero-initialised factor — ``B``, or ``A`` of an embedding
+  adapter — has a huge one, and with PEFT's ``A`` init ``‖u_A‖/‖A‖`` starts near
+  ``lr·√(3·in)`` under Adam: 0.11 at lr 1e-3 on a 4096-wide layer).
+- effective relative gradient: ``‖g_A‖ / (s·‖B‖·‖W_base‖)`` and
+  ``‖g_B‖ / (s·‖A‖·‖W_base‖)``, each a lower bound of ``‖∂L/∂W‖ / ‖W_base‖`` (since
+  ``g_A = s·g_W·Bᵀ``, ``g_B = s·Aᵀ·g_W``; undefined at steps where the partner is 0). The
+  relative VANISHING rule compares a factor with the largest of the *same* factor of the
+  other adapters (A with A, B with B: the two bounds are not equally tight), never with
+  other layers, and LoRA factors are never the reference of other layers; the absolute
+  rule (``vanishing_abs``) is unchanged. DECAY_WITH_DEPTH and LAYER_IMBALANCE are judged
+  separately among other layers, among ``lora_A`` factors and among ``lora_B`` factors
+  (with the effective measures).
+- the EXPLODING growth rule reads the growth of ``‖g‖ / ‖partner‖``.
+
+``s`` is PEFT's scaling from :func:`~traintape.analysis.change.lora_scale` (1 when the run
+does not say: then the effective ratios are up to the scale); ``‖W_base‖`` is the base
+layer's param norm (its median over the run: frozen weights are read only at some steps).
+Non-finite gradients, the gradient-norm limit and DEAD (exactly zero gradients) apply to
+factors as to any layer.
 """
 
 from __future__ import annotations
@@ -40,7 +81,7 @@ from traintape.analysis._common import (
     layer_norms,
     stat_index,
 )
-from traintape.analysis.change import qkv_groups
+from traintape.analysis.change import LoraPair, lora_pairs, lora_scale, qkv_groups
 from traintape.schema import Kind
 
 if TYPE_CHECKING:
@@ -139,6 +180,24 @@ class Issue(BaseModel):
     evidence: dict[str, Any] = Field(default_factory=dict)
 
 
+class LoraHealth(BaseModel):
+    """How a LoRA factor layer is judged: as part of the layer it adapts (module docstring)."""
+
+    part: str = Field(description="lora_A or lora_B")
+    adapted: str = Field(description="the adapted layer (LoraPair.key)")
+    scale: float = Field(description="s of ΔW = s·A·B (1.0 when unknown)")
+    scale_source: str | None = Field(None, description="see change.lora_scale; None: unknown")
+    rel_grad: float | None = Field(
+        None, description="median ‖g‖ / (s·‖partner‖·‖W_base‖), a lower bound of ‖g_W‖/‖W_base‖"
+    )
+    update_ratio: float | None = Field(
+        None, description="median of this factor's share of ‖Δ(s·A·B)‖ / ‖W_base‖ per step"
+    )
+    grad_growth: float | None = Field(
+        None, description="last-quarter / first-quarter ‖g‖ / ‖partner‖"
+    )
+
+
 class LayerHealth(BaseModel):
     """Health of one layer (medians over recorded steps; None where not recorded)."""
 
@@ -150,6 +209,8 @@ class LayerHealth(BaseModel):
     update_ratio: float | None = Field(None, description="median ‖Δθ‖/‖θ‖ per step")
     grad_growth: float | None = Field(None, description="last-quarter / first-quarter grad norm")
     act_zero_frac: float | None = None
+    frozen: bool = Field(False, description="param recorded, no grad: frozen, not judged")
+    lora: LoraHealth | None = Field(None, description="LoRA factors: the effective measures")
     score: float = 100.0
     status: Status = Status.HEALTHY
     issues: list[Issue] = Field(default_factory=list)
@@ -163,6 +224,10 @@ class HealthReport(BaseModel):
     thresholds: HealthThresholds
     score: float = Field(description="mean of layer scores, minus run-level penalties")
     status: Status
+    frozen: list[str] = Field(
+        default_factory=list,
+        description="frozen layers (param without grad, e.g. a LoRA base model): not judged",
+    )
 
     def issues(self) -> list[Issue]:
         """All issues, run-level first then per layer in forward order."""
@@ -352,6 +417,38 @@ class _Series:
     a_layers: list[str]
     act: dict[str, np.ndarray]
     layers: list[str]
+    frozen: set[str] = field(default_factory=set)
+    lora: dict[str, _LoraFactor] = field(default_factory=dict)
+
+
+@dataclass
+class _LoraFactor:
+    """A LoRA factor layer's place: its part, its adapter, its partner factor's layer, the
+    scale and the base weight's norm (None when not recorded)."""
+
+    part: str
+    pair: LoraPair
+    partner: str
+    scale: float
+    scale_source: str | None
+    base_norm: float | None
+
+
+def _lora_factors(run: Run, p_layers: list[str], p: np.ndarray | None) -> dict[str, _LoraFactor]:
+    """The LoRA factor layers of ``run`` (both factors recorded as param), by layer."""
+    out: dict[str, _LoraFactor] = {}
+    pcol = {x: i for i, x in enumerate(p_layers)}
+    for pair in lora_pairs(run):
+        scale, src = lora_scale(run, pair)
+        base = None
+        if p is not None and pair.base_layer in pcol:
+            col = np.asarray(p[:, pcol[pair.base_layer]], dtype=np.float64)
+            base = _med(col)
+        base = base if base is not None and base > 0 else None
+        for part, layer, partner in (("lora_A", pair.a_layer, pair.b_layer),
+                                     ("lora_B", pair.b_layer, pair.a_layer)):  # fmt: skip
+            out[layer] = _LoraFactor(part, pair, partner, scale, src, base)
+    return out
 
 
 def _load_series(run: Run, cache: StatsCache) -> _Series:
@@ -377,7 +474,11 @@ def _load_series(run: Run, cache: StatsCache) -> _Series:
         act = {stat: cache.series(Kind.ACTIVATION, stat, how) for stat, how in _ACT_SERIES}
         seen = set(layers)
         layers += [x for x in a_layers if x not in seen]
-    return _Series(steps, g_layers, g, p_layers, p, u_layers, u, a_layers, act, layers)
+    graded = set(g_layers)
+    frozen = {x for x in p_layers if x not in graded} if graded else set()
+    lora = _lora_factors(run, p_layers, p) if p is not None else {}
+    return _Series(steps, g_layers, g, p_layers, p, u_layers, u, a_layers, act, layers,
+                   frozen, lora)  # fmt: skip
 
 
 @dataclass
@@ -430,9 +531,11 @@ def _measure(
     upr = _ratio_reduce(u, s.u_layers, p, s.p_layers, s.u_layers)
     gcol = {x: i for i, x in enumerate(s.g_layers)}
     ucol = {x: i for i, x in enumerate(s.u_layers)}
+    lora = _lora_measures(s, g, p, u)
     out: list[LayerHealth] = []
     for depth, layer in enumerate(s.layers):
-        lh = LayerHealth(layer=layer, depth=depth)
+        lh = LayerHealth(layer=layer, depth=depth, frozen=layer in s.frozen,
+                         lora=lora.get(layer))  # fmt: skip
         if layer in gcol:
             gi = gcol[layer]
             lh.grad_norm = finite_float(gm["median"][gi])
@@ -448,16 +551,84 @@ def _measure(
     return out, facts
 
 
+def _lora_measures(
+    s: _Series, g: np.ndarray, p: np.ndarray | None, u: np.ndarray | None
+) -> dict[str, LoraHealth]:
+    """The effective measures of every LoRA factor layer with a gradient (module
+    docstring) over the rows of ``g``, ``p`` and ``u`` (the series' rows already sliced)."""
+    if p is None or not s.lora:
+        return {}
+    gcol = {x: i for i, x in enumerate(s.g_layers)}
+    pcol = {x: i for i, x in enumerate(s.p_layers)}
+    ucol = {x: i for i, x in enumerate(s.u_layers)}
+    nan = np.full(len(g), np.nan)
+
+    def col(x: np.ndarray | None, c: dict[str, int], layer: str) -> np.ndarray:
+        return nan if x is None or layer not in c else np.asarray(x[:, c[layer]], np.float64)
+
+    layers = [x for x in s.lora if x in gcol and x in pcol and s.lora[x].partner in pcol]
+    if not layers:
+        return {}
+    per_partner = np.stack(
+        [_ratio(col(g, gcol, x), col(p, pcol, s.lora[x].partner)) for x in layers], axis=1
+    )  # ‖g‖ / ‖partner‖ [rows, factor]
+    gm = _grad_measures(per_partner)
+    upd = []
+    for x in layers:
+        f = s.lora[x]
+        own_u, partner = col(u, ucol, x), col(p, pcol, f.partner)
+        if f.part == "lora_A":  # s·‖u_A‖·‖B_{t+1}‖, ‖B_{t+1}‖ ≤ ‖B_t‖ + ‖u_B‖
+            upd.append(own_u * (partner + col(u, ucol, f.partner)))
+        else:  # s·‖A_t‖·‖u_B‖
+            upd.append(own_u * partner)
+    upr = column_median(np.stack(upd, axis=1))
+    out = {}
+    for c, x in enumerate(layers):
+        f = s.lora[x]
+        base, sc = f.base_norm, abs(f.scale)
+        with np.errstate(all="ignore"):
+            rel = np.nan if base is None else gm["median"][c] / (sc * base)
+            ur = np.nan if base is None else sc * upr[c] / base
+        out[x] = LoraHealth(
+            part=f.part, adapted=f.pair.key, scale=f.scale, scale_source=f.scale_source,
+            rel_grad=finite_float(rel), update_ratio=finite_float(ur),
+            grad_growth=finite_float(gm["growth"][c]),
+        )  # fmt: skip
+    return out
+
+
+def _group(lh: LayerHealth) -> str | None:
+    """Which layers a layer is compared with: its LoRA part, or None (other layers)."""
+    return None if lh.lora is None else lh.lora.part
+
+
+def _rel(lh: LayerHealth) -> float | None:
+    """The relative gradient the rules read: a LoRA factor's effective one."""
+    return lh.rel_grad if lh.lora is None else lh.lora.rel_grad
+
+
+def _upr(lh: LayerHealth) -> float | None:
+    """The update ratio the ratio rules read: a LoRA factor's effective one (None
+    without a recorded base weight: a factor's own ratio is no measure, module docstring)."""
+    return lh.update_ratio if lh.lora is None else lh.lora.update_ratio
+
+
 def _judge(
     out: list[LayerHealth], facts: _Facts, th: HealthThresholds, span: str = "the run"
 ) -> list[Issue]:
     """Add each layer's issues to ``out``; return the run-level issues. ``span`` names
-    the steps measured in messages ("the run", "the window")."""
-    rels = [lh.rel_grad for lh in out if lh.rel_grad is not None and lh.rel_grad > 0]
-    top_rel = max(rels) if rels else None
+    the steps measured in messages ("the run", "the window"). Frozen layers get no
+    gradient or DEAD issue; LoRA factors are judged by their effective measures, and
+    compared with the same factor of other adapters only (module docstring)."""
+    top_rel: dict[str | None, float] = {}
+    for lh in out:
+        r = _rel(lh)
+        if r is not None and r > 0:
+            top_rel[_group(lh)] = max(r, top_rel.get(_group(lh), 0.0))
     for lh in out:
         L = lh.layer
         nonfinite = facts.nonfinite.get(L, 0.0)
+        ratio, growth = _upr(lh), lh.grad_growth if lh.lora is None else lh.lora.grad_growth
         if nonfinite > 0:
             lh.issues.append(_issue(IssueType.EXPLODING, Status.CRITICAL, L,
                                     f"{int(nonfinite)} non-finite gradient values",
@@ -468,17 +639,21 @@ def _judge(
                 lh.issues.append(_issue(IssueType.EXPLODING, Status.CRITICAL, L,
                                         f"gradient norm up to {gmax:.3g} (> {th.exploding_norm:g})",
                                         grad_norm_median=lh.grad_norm, grad_norm_max=gmax))  # fmt: skip
-            elif lh.update_ratio is not None and lh.update_ratio > th.update_ratio_high:
+            elif ratio is not None and ratio > th.update_ratio_high:
+                what = ("effective update ratio (of the adapted layer's weight)"
+                        if lh.lora is not None else "update/param ratio")  # fmt: skip
                 lh.issues.append(_issue(IssueType.EXPLODING, Status.CRITICAL, L,
-                                        f"update/param ratio {lh.update_ratio:.3g} "
+                                        f"{what} {ratio:.3g} "
                                         f"(> {th.update_ratio_high:g}): steps too large",
-                                        update_ratio=lh.update_ratio, grad_growth=lh.grad_growth))  # fmt: skip
-            elif lh.grad_growth is not None and lh.grad_growth > th.exploding_growth:
+                                        update_ratio=ratio, grad_growth=growth))  # fmt: skip
+            elif growth is not None and growth > th.exploding_growth:
                 lh.issues.append(_issue(IssueType.EXPLODING, Status.WARNING, L,
-                                        f"gradient norm grew {lh.grad_growth:.3g}x over {span}",
-                                        grad_growth=lh.grad_growth))  # fmt: skip
-        dead_act = lh.act_zero_frac is not None and lh.act_zero_frac >= th.dead_zero_frac
+                                        f"gradient norm grew {growth:.3g}x over {span}",
+                                        grad_growth=growth))  # fmt: skip
+        zero_act = lh.act_zero_frac is not None and lh.act_zero_frac >= th.dead_zero_frac
+        dead_act = zero_act and not lh.frozen
         dead_grad = facts.zero_steps.get(L, 0.0) >= th.dead_steps_frac
+        rel, top = _rel(lh), top_rel.get(_group(lh))
         if dead_act or dead_grad:
             lh.issues.append(_issue(IssueType.DEAD, Status.CRITICAL, L,
                                     ("activation is zero for "
@@ -490,19 +665,16 @@ def _judge(
         elif (
             nonfinite == 0
             and lh.grad_norm is not None
-            and (
-                lh.grad_norm < th.vanishing_abs
-                or (
-                    top_rel and lh.rel_grad is not None and lh.rel_grad < th.vanishing_rel * top_rel
-                )
-            )
-        ):
-            frac = (lh.rel_grad / top_rel) if (top_rel and lh.rel_grad is not None) else 0.0
+            and (lh.grad_norm < th.vanishing_abs
+                 or (top and rel is not None and rel < th.vanishing_rel * top))
+        ):  # fmt: skip
+            frac = (rel / top) if (top and rel is not None) else 0.0
             crit = lh.grad_norm < th.vanishing_abs or frac < th.vanishing_rel_critical
+            of = "the largest layer's" if lh.lora is None else f"the largest {lh.lora.part}'s"
             lh.issues.append(_issue(IssueType.VANISHING, Status.CRITICAL if crit else Status.WARNING, L,
-                                    f"relative gradient {lh.rel_grad or 0:.3g} is {frac:.2g}x "
-                                    f"the largest layer's ({top_rel or 0:.3g})",
-                                    grad_norm=lh.grad_norm, rel_grad=lh.rel_grad,
+                                    f"relative gradient {rel or 0:.3g} is {frac:.2g}x "
+                                    f"{of} ({top or 0:.3g})",
+                                    grad_norm=lh.grad_norm, rel_grad=rel,
                                     fraction_of_max=frac))  # fmt: skip
         a = facts.act.get(L)
         if a and a["min"] is not None and a["max"] is not None and a["abs_mean"] is not None:
@@ -514,7 +686,7 @@ def _judge(
                 lo >= 0.0 and hi <= 1.0 and a["mean"] is not None and a["std"] is not None
                 and a["std"] < th.saturated_std
                 and (a["mean"] < 1 - th.saturated_frac or a["mean"] > th.saturated_frac)
-                and not dead_act
+                and not zero_act
             ):  # fmt: skip
                 sat = True
             if sat:
@@ -525,26 +697,9 @@ def _judge(
 
     # ---------------------------------------------------------------- run-level issues
     run_issues: list[Issue] = []
-    with_rel = [lh for lh in out if lh.rel_grad is not None and lh.rel_grad > 0]
-    if len(with_rel) >= 3:
-        ratio = with_rel[-1].rel_grad / with_rel[0].rel_grad  # type: ignore[operator]
-        if ratio > th.decay_ratio:
-            run_issues.append(_issue(IssueType.DECAY_WITH_DEPTH, Status.WARNING, None,
-                                     f"relative gradient falls {ratio:.3g}x from "
-                                     f"{with_rel[-1].layer!r} back to {with_rel[0].layer!r}",
-                                     ratio=ratio,
-                                     profile={x.layer: x.rel_grad for x in with_rel}))  # fmt: skip
-    ur = [lh for lh in out if lh.update_ratio is not None and lh.update_ratio > 0]
-    if len(ur) >= 2:
-        hi_l = max(ur, key=lambda x: x.update_ratio or 0)
-        lo_l = min(ur, key=lambda x: x.update_ratio or 0)
-        ratio = (hi_l.update_ratio or 0) / (lo_l.update_ratio or 1)
-        if ratio > th.imbalance_ratio:
-            run_issues.append(_issue(IssueType.LAYER_IMBALANCE, Status.WARNING, None,
-                                     f"update/param ratio ranges {ratio:.3g}x: "
-                                     f"{hi_l.layer!r} {hi_l.update_ratio:.3g} vs "
-                                     f"{lo_l.layer!r} {lo_l.update_ratio:.3g}",
-                                     ratio=ratio, fastest=hi_l.layer, slowest=lo_l.layer))  # fmt: skip
+    for grp in dict.fromkeys(_group(lh) for lh in out):  # other layers, lora_A, lora_B
+        members = [lh for lh in out if _group(lh) == grp]
+        run_issues += _depth_issues(members, th, "" if grp is None else f"{grp} ")
     # attention: sibling sub-layers q/k/v under one parent
     by_layer = {lh.layer: lh for lh in out}
     for parent, group in qkv_groups(by_layer).items():
@@ -555,6 +710,33 @@ def _judge(
                          f"q/k/v gradient norms differ {max(vals) / min(vals):.3g}x",
                          **{f"grad_norm_{k}": v for k, v in gn.items()})  # fmt: skip
             run_issues.append(iss)
+    return run_issues
+
+
+def _depth_issues(out: list[LayerHealth], th: HealthThresholds, what: str) -> list[Issue]:
+    """DECAY_WITH_DEPTH and LAYER_IMBALANCE among the layers ``out`` (one comparison
+    group; ``what`` names it in messages: "" or "lora_A ")."""
+    run_issues: list[Issue] = []
+    with_rel = [(lh, r) for lh in out if (r := _rel(lh)) is not None and r > 0]
+    if len(with_rel) >= 3:
+        (first, r0), (last, r1) = with_rel[0], with_rel[-1]
+        ratio = r1 / r0
+        if ratio > th.decay_ratio:
+            run_issues.append(_issue(IssueType.DECAY_WITH_DEPTH, Status.WARNING, None,
+                                     f"{what}relative gradient falls {ratio:.3g}x from "
+                                     f"{last.layer!r} back to {first.layer!r}",
+                                     ratio=ratio,
+                                     profile={x.layer: r for x, r in with_rel}))  # fmt: skip
+    ur = [(lh, r) for lh in out if (r := _upr(lh)) is not None and r > 0]
+    if len(ur) >= 2:
+        hi_l, hi = max(ur, key=lambda x: x[1])
+        lo_l, lo = min(ur, key=lambda x: x[1])
+        ratio = hi / lo
+        if ratio > th.imbalance_ratio:
+            run_issues.append(_issue(IssueType.LAYER_IMBALANCE, Status.WARNING, None,
+                                     f"{what}update/param ratio ranges {ratio:.3g}x: "
+                                     f"{hi_l.layer!r} {hi:.3g} vs {lo_l.layer!r} {lo:.3g}",
+                                     ratio=ratio, fastest=hi_l.layer, slowest=lo_l.layer))  # fmt: skip
     return run_issues
 
 
@@ -615,4 +797,5 @@ def health(
     score, status = _score(out, run_issues, th)
     tracker.advance()
     return HealthReport(url=run.url, steps=len(s.steps), layers=out, run_issues=run_issues,
-                        thresholds=th, score=score, status=status)  # fmt: skip
+                        thresholds=th, score=score, status=status,
+                        frozen=[x for x in s.layers if x in s.frozen])  # fmt: skip

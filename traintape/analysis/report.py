@@ -3,8 +3,8 @@
 Sections: run info; metric curves; layer × step heatmaps of gradient norm and of the
 update/param ratio (log10); weight-distribution evolution (mean ± std and min/max of each
 kernel over steps); health table and each layer's health per window of steps (about
-:data:`TREND_WINDOWS` windows); anomalies; parameter change. Every name read from the
-store is HTML-escaped.
+:data:`TREND_WINDOWS` windows); anomalies; parameter change (with LoRA runs' effective
+update ΔW = s·A·B per adapted layer). Every name read from the store is HTML-escaped.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from traintape.analysis._common import (
     natural_key,
 )
 from traintape.analysis.anomalies import AnomalyReport, anomalies, want_anomalies
-from traintape.analysis.change import change_from_stats, parameter_change
+from traintape.analysis.change import LoraDelta, change_from_stats, parameter_change
 from traintape.analysis.health import HealthReport, health
 from traintape.analysis.health_trend import (
     HealthTrend,
@@ -295,7 +295,7 @@ def _anomalies_html(a: AnomalyReport, limit: int = 100) -> str:
 def _change_html(run: Run, cache: StatsCache) -> tuple[str, str | None]:
     import matplotlib.pyplot as plt
 
-    pc = parameter_change(run, max_pairs=20, progress=cache.tracker.child())
+    pc = parameter_change(run, max_pairs=20, progress=cache.tracker.child(), cache=cache)
     parts = []
     if pc.pairs:
         thr = [f"{t:g}" for t in pc.thresholds]
@@ -316,6 +316,8 @@ def _change_html(run: Run, cache: StatsCache) -> tuple[str, str | None]:
             + rows
             + "</table>"
         )
+    if pc.lora is not None and pc.lora.per_layer:
+        parts.append(_lora_html(pc.lora))
     steps, layers, r = change_from_stats(run, cache)
     fig_src = None
     if layers and len(steps):
@@ -331,6 +333,40 @@ def _change_html(run: Run, cache: StatsCache) -> tuple[str, str | None]:
     if not parts:
         parts.append("<p class='muted'>No param snapshots: change shown from stats only.</p>")
     return "".join(parts), fig_src
+
+
+LORA_ROWS = 40
+"""Most adapters the LoRA table lists (the largest ‖ΔW‖ first; the rest are counted)."""
+
+
+def _lora_html(d: LoraDelta) -> str:
+    """The LoRA effective-update table (:func:`~traintape.analysis.change.lora_delta`)."""
+    where = (f"from snapshots at step {d.step}" if d.from_snapshots
+             else f"stats only (no snapshots), step {d.step}")  # fmt: skip
+    scale = ("" if d.scale_known else
+             " The run does not record PEFT's scale s (lora_alpha / r): values are up to s "
+             "(record it with <code>Recorder(user={'lora_alpha': …})</code>).")  # fmt: skip
+    layers = sorted(d.per_layer.items(), key=lambda kv: -(kv[1].norm or kv[1].norm_bound or 0))
+    rows = "".join(
+        f"<tr><td>{_e(k)}</td><td>{_e(x.component)}</td><td>{x.rank}</td><td>{_fmt(x.scale)}</td>"
+        f"<td>{_fmt(x.norm)}</td><td>{_fmt(x.relative)}</td><td>{_fmt(x.effective_rank)}</td>"
+        f"<td>{_fmt(x.energy[0] if x.energy else None)}</td><td>{_fmt(x.norm_bound)}</td></tr>"
+        for k, x in layers[:LORA_ROWS]
+    )
+    more = (f"<p class='muted'>{len(layers) - LORA_ROWS} more adapters not shown</p>"
+            if len(layers) > LORA_ROWS else "")  # fmt: skip
+    comp = _e(", ".join(f"{k}: {_fmt(v.norm if v.norm is not None else v.norm_bound)}"
+                        for k, v in d.per_component.items()))  # fmt: skip
+    return (
+        f"<p>LoRA effective update ΔW = s·A·B per adapted layer, {_e(where)}.{scale}</p>"
+        "<table><tr><th>layer</th><th>component</th><th>r</th><th>s</th><th>‖ΔW‖_F</th>"
+        "<th>‖ΔW‖/‖W_base‖</th><th>effective rank</th><th>σ₁² share</th>"
+        "<th>bound s·‖A‖·‖B‖</th></tr>"
+        + rows
+        + "</table>"
+        + more
+        + f"<p>‖ΔW‖ by component (root-sum-square): {comp}</p>"
+    )
 
 
 _FIGURES = 5  # metrics, grad heatmap, ratio heatmap, weights, change curves
