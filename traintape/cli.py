@@ -376,8 +376,10 @@ def _ls_row(path: str, open_run: Callable[[str], Any]) -> dict[str, Any]:
 
 def _rel(path: str, root: str) -> str:
     """``path`` relative to ``root`` (a directory or a URL prefix) for display."""
-    if "://" in root and not root.startswith("file://"):
-        return path[len(root.rstrip("/")) + 1 :].rstrip("/") or "."
+    from traintape.core.kvstore import is_local, normalize_url
+
+    if not is_local(root):
+        return path[len(normalize_url(root).rstrip("/")) + 1 :].rstrip("/") or "."
     return os.path.relpath(path, root)
 
 
@@ -389,8 +391,9 @@ def ls_runs(
     """List the runs under DIR: steps, framework, size, status."""
     from traintape.core import open_run
     from traintape.core.catalog import find_stores
+    from traintape.core.kvstore import is_local
 
-    remote = "://" in directory and not directory.startswith("file://")
+    remote = not is_local(directory)
     if not remote and not os.path.exists(directory):
         _fail(f"no such directory: {directory}")
     if not remote and not os.path.isdir(directory):
@@ -816,23 +819,112 @@ def monitor(
 @app.command("export")
 def export_cmd(
     run: str = typer.Argument(..., help="run directory or URL"),
-    out: str = typer.Option(..., "--out", "-o", help="directory (parquet/csv) or .npz file"),
-    fmt: str = typer.Option("parquet", "--format", "-f", help="parquet, csv or npz"),
+    dest: str | None = typer.Argument(
+        None, metavar="[DIR]", help="where to write (the same as --out)", show_default=False
+    ),
+    out: str | None = typer.Option(
+        None, "--out", "-o", help="directory (parquet/csv/tensorboard/wandb) or .npz file"
+    ),
+    to: str | None = typer.Option(
+        None, "--to", "-t", help="parquet, csv, npz, tensorboard or wandb", show_default=False
+    ),
+    fmt: str | None = typer.Option(
+        None, "--format", "-f", help="the same as --to (default parquet)", show_default=False
+    ),
     snapshots: bool = typer.Option(False, "--snapshots", help="npz: include full snapshots"),
+    kinds: list[str] | None = typer.Option(
+        None,
+        "--kind",
+        "-k",
+        help="tensorboard/wandb: kinds to export (repeat or comma-separate; default all)",
+        show_default=False,
+    ),
+    stats: str = typer.Option(
+        "l2,mean,std,max,min",
+        "--stats",
+        help="tensorboard/wandb: stats per tensor, comma-separated",
+    ),
+    histograms: bool = typer.Option(
+        True, "--histograms/--no-histograms", help="tensorboard/wandb: histograms of snapshots"
+    ),
+    bins: int = typer.Option(30, "--bins", min=1, max=512, help="tensorboard/wandb: buckets"),
+    project: str = typer.Option("traintape", "--project", help="wandb: project name"),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="tensorboard: replace an earlier traintape export in DIR"
+    ),
 ) -> None:
-    """Export stats and metrics (and optionally snapshots) to parquet, csv or npz."""
-    from traintape.analysis import export
+    """Export stats and metrics to parquet, csv or npz, or to TensorBoard / W&B.
 
-    if fmt not in ("parquet", "csv", "npz"):
-        _fail(f"unknown format {fmt!r}: use parquet, csv or npz")
+    `traintape export RUN --to tensorboard DIR` writes an event file (`tensorboard --logdir
+    DIR`); `--to wandb DIR` an offline W&B run (`wandb sync` uploads it). Both get scalars
+    <kind>/<tensor>/<stat>, the metrics and sys/ metrics at their optimizer steps, and
+    histograms <kind>/<tensor>/histogram at snapshot steps.
+    """
+    from traintape.schema import STAT_NAMES
+
+    targets = ("parquet", "csv", "npz", "tensorboard", "wandb")
+    if to is not None and fmt is not None and to != fmt:
+        _fail(f"--to {to} and --format {fmt} disagree: give one of them")
+    target = to or fmt or "parquet"
+    if target not in targets:
+        _fail(f"unknown format {target!r}: use {', '.join(targets[:-1])} or {targets[-1]}")
+    if dest is not None and out is not None and dest != out:
+        _fail(f"two destinations: {dest} and --out {out}: give one of them")
+    where = dest or out
+    if where is None:
+        _fail(
+            "no destination: give DIR after RUN or --out",
+            f"e.g. traintape export {run} --to {target} "
+            + ("out.npz" if target == "npz" else f"{target}_out"),
+        )
+    bridge = target in ("tensorboard", "wandb")
+    if bridge:
+        from traintape.analysis.bridges import MissingDependencyError, require
+
+        try:  # before opening the run: say at once which package is missing
+            require(target)
+        except MissingDependencyError as e:
+            _fail(str(e))
     r = _open(run)
-    parent = os.path.dirname(os.path.abspath(out))
+    parent = os.path.dirname(os.path.abspath(where))
     if not os.path.isdir(parent):
-        _fail(f"cannot write {out}: directory {parent} does not exist")
-    with _reading(run), _progress(f"export {fmt}") as cb:
-        paths = export(r, out, fmt, snapshots=snapshots, progress=cb)  # type: ignore[arg-type]
-    for p in paths:
-        console.print(f"wrote {p}")
+        _fail(f"cannot write {where}: directory {parent} does not exist")
+    if not bridge:
+        from traintape.analysis import export
+
+        with _reading(run), _progress(f"export {target}") as cb:
+            paths = export(r, where, target, snapshots=snapshots, progress=cb)  # type: ignore[arg-type]
+        for p in paths:
+            console.print(f"wrote {p}")
+        return
+    have = [k.value for k in r.kinds()]
+    chosen = [k.strip() for v in kinds or [] for k in v.split(",") if k.strip()] or None
+    for k in chosen or []:
+        if k not in have:
+            _fail(f"kind {k!r} is not in {run}: use {', '.join(have) or '(none)'}")
+    stat_list = [s.strip() for s in stats.split(",") if s.strip()]
+    for s in stat_list:
+        if s not in STAT_NAMES:
+            _fail(f"unknown stat {s!r}: use any of {', '.join(STAT_NAMES)}")
+    opts: dict[str, Any] = dict(kinds=chosen, stats=stat_list, histograms=histograms, bins=bins)
+    if target == "tensorboard":
+        from traintape.analysis.bridges import check_logdir, export_tensorboard
+
+        try:
+            check_logdir(where, overwrite=overwrite)
+        except FileExistsError as e:
+            _fail(str(e))
+        with _reading(run), _progress("export tensorboard") as cb:
+            path = export_tensorboard(r, where, overwrite=overwrite, progress=cb, **opts)
+        console.print(f"wrote {path}")
+        console.print(f"view it with: tensorboard --logdir {where}", highlight=False)
+    else:
+        from traintape.analysis.bridges import export_wandb
+
+        with _reading(run), _progress("export wandb") as cb:
+            path = export_wandb(r, where, project=project, progress=cb, **opts)
+        console.print(f"wrote {path} (an offline W&B run)")
+        console.print(f"upload it with: wandb sync {path}", highlight=False)
 
 
 @app.command()

@@ -5,16 +5,25 @@
   ACCELERATING); :func:`health_against` / :func:`compare_health` — per layer, is a run
   improved, degraded or unchanged against a baseline?
 - :func:`anomalies` — NaN/Inf first seen, loss and gradient spikes, dead units, stalls.
-- :func:`parameter_change` / :func:`change_from_stats` — how much parameters moved.
+- :func:`parameter_change` / :func:`change_from_stats` — how much parameters moved;
+  :func:`lora_delta` — a LoRA run's effective update ΔW = s·A·B per adapted layer.
 - :func:`sparse_update_quality` / :func:`sparse_update_from_run` — would a sparse update
   have done the same?
 - :func:`compare` — are two runs identical; which tensor diverged first.
 - :func:`write_report` — one self-contained HTML report.
-- :func:`export` — Parquet / CSV / NPZ.
+- :func:`export` — Parquet / CSV / NPZ; :func:`export_tensorboard` / :func:`export_wandb`
+  — a TensorBoard event file / an offline W&B run (scalars, metrics, histograms).
 """
 
 from traintape.analysis.anomalies import Anomaly, AnomalyReport, AnomalyThresholds, anomalies
-from traintape.analysis.change import ParameterChange, change_from_stats, parameter_change
+from traintape.analysis.bridges import export_tensorboard, export_wandb
+from traintape.analysis.change import (
+    LoraDelta,
+    ParameterChange,
+    change_from_stats,
+    lora_delta,
+    parameter_change,
+)
 from traintape.analysis.compare import DEFAULT_TOLERANCES, CompareReport, Tolerance, compare
 from traintape.analysis.export import export
 from traintape.analysis.health import (
@@ -23,6 +32,7 @@ from traintape.analysis.health import (
     Issue,
     IssueType,
     LayerHealth,
+    LoraHealth,
     Status,
     health,
 )
@@ -68,6 +78,8 @@ __all__ = [
     "LayerComparison",
     "LayerHealth",
     "LayerTrend",
+    "LoraDelta",
+    "LoraHealth",
     "MeasureChange",
     "NoSharedLayersError",
     "OutputAgreement",
@@ -84,9 +96,12 @@ __all__ = [
     "compare",
     "compare_health",
     "export",
+    "export_tensorboard",
+    "export_wandb",
     "health",
     "health_against",
     "health_trend",
+    "lora_delta",
     "parameter_change",
     "render_report",
     "sparse_update_from_run",
