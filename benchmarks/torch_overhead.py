@@ -19,8 +19,20 @@ params + grads: ``floor`` (one plain ``sum`` pass, the floor for stats capture) 
 
 Prints ms/step medians, traintape overhead / floor (from step times and from the stats
 call timed directly) and overhead as % of the step, and the peers' step-time ratios.
+
+``--hf``: the same comparison inside ``transformers.Trainer`` instead (a tiny GPT-2 from
+config on the CPU; every variant runs ``--steps`` optimizer steps per round through its
+own ``Trainer.train()``, each step timed from ``on_step_begin`` to ``on_step_end``):
+
+- ``trainer``: ``report_to=[]``;
+- ``traintape``: + ``traintape.transformers.Callback`` (param, grad, update stats every
+  step, in-memory store; a new store per round since each ``train()`` restarts at step 0);
+- ``tb+wandb``: Trainer's own ``report_to=["tensorboard", "wandb"]`` with
+  ``WANDB_WATCH=all`` (WandbCallback's ``wandb.watch`` of params and grads, offline),
+  ``logging_steps=1``.
+
 Usage: python benchmarks/torch_overhead.py [--batch 512] [--rounds 12] [--steps 3]
-[--threads 2] [--quick] [--no-peers]
+[--threads 2] [--quick] [--no-peers] [--hf]
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ import argparse
 import itertools
 import os
 import tempfile
+import time
 from collections.abc import Callable
 
 import torch
@@ -60,7 +73,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_args(ap, rounds=12, steps=3)
     ap.add_argument("--no-peers", action="store_true", help="skip wandb / tensorboard")
+    ap.add_argument("--hf", action="store_true", help="the transformers.Trainer comparison")
     args = ap.parse_args()
+    if args.hf:
+        hf_trainer_main(args)
+        return
     sizes = apply_quick(args)
     torch.set_num_threads(args.threads)
     os.environ.setdefault("TRAINTAPE_FUSED_THREADS", str(args.threads))
@@ -160,6 +177,93 @@ def main() -> None:
         d = t.delta(k, "baseline")[0]
         rel = f", {d / over:.0f}x traintape's" if over > 0 else ""
         print(f"{k}: step {t.ratio(k, 'baseline'):.2f}x baseline ({d:.1f} ms overhead{rel})")
+
+
+def hf_trainer_main(args: argparse.Namespace) -> None:
+    """``--hf``: Trainer vs Trainer + traintape vs Trainer's tensorboard + wandb watch."""
+    os.environ.setdefault("USE_TF", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    tmp = tempfile.mkdtemp(prefix="tt-bench-hf-")
+    for k, v in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": tmp}.items():
+        os.environ.setdefault(k, v)
+    import transformers
+
+    import traintape.transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("TRAINTAPE_FUSED_THREADS", str(args.threads))
+    quick = args.quick
+    if quick:
+        args.rounds, args.steps = 2, 3
+    steps = max(args.steps, 3)  # the first step of each train() carries set-up: medians drop it
+    layers, width, seq, batch = (2, 32, 16, 2) if quick else (4, 256, 128, 8)
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        n_layer=layers, n_embd=width, n_head=4, vocab_size=1024, n_positions=seq
+    )
+    model = transformers.GPT2LMHeadModel(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    ids = torch.randint(0, cfg.vocab_size, (steps * batch, seq))
+    data = [{"input_ids": x, "labels": x} for x in ids]
+    print(f"model: GPT-2 {layers} layers x {width}, {n_params / 1e6:.2f}M params, batch {batch}"
+          f" x {seq} tokens, {args.threads} threads, torch {torch.__version__}, "
+          f"transformers {transformers.__version__}")  # fmt: skip
+
+    class StepTimer(transformers.TrainerCallback):
+        def __init__(self, t: Timings, name: str) -> None:
+            self.t, self.name, self.t0 = t, name, 0.0
+
+        def on_step_begin(self, *a: object, **k: object) -> None:
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a: object, **k: object) -> None:
+            dt = time.perf_counter() - self.t0
+            self.t.rounds.setdefault(self.name, {}).setdefault(self.t.round, []).append(dt)
+
+    def train(t: Timings, name: str, report_to: list[str], extra: list[object]) -> None:
+        targs = transformers.TrainingArguments(
+            output_dir=os.path.join(tmp, name), per_device_train_batch_size=batch,
+            max_steps=steps, logging_steps=1, use_cpu=True, report_to=report_to,
+            save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+        )  # fmt: skip
+        cbs = [*extra, StepTimer(t, name)]
+        trainer = transformers.Trainer(model=model, args=targs, train_dataset=data, callbacks=cbs)
+        trainer.remove_callback(transformers.PrinterCallback)  # no log dicts on stdout
+        trainer.train()
+
+    policy = traintape.CapturePolicy(every=1, kinds=("param", "grad", "update"))
+    count = itertools.count()
+
+    def with_traintape(t: Timings) -> None:
+        rec = traintape.Recorder(f"memory://hf-bench-{next(count)}", policy)
+        train(t, "traintape", [], [traintape.transformers.Callback(rec, activations=False)])
+        rec.close()
+
+    variants: dict[str, Callable[[Timings], None]] = {
+        "trainer": lambda t: train(t, "trainer", [], []),
+        "traintape": with_traintape,
+    }
+    if not args.no_peers:
+        try:
+            import tensorboard  # noqa: F401
+            import wandb  # noqa: F401
+
+            os.environ["WANDB_WATCH"] = "all"
+            variants["tb+wandb"] = lambda t: train(t, "tb+wandb", ["tensorboard", "wandb"], [])
+        except ImportError:
+            print("tensorboard or wandb not installed: peers skipped")
+    t = interleave(variants, args.rounds)
+    print_table(t, "trainer", list(variants))
+    over = t.delta("traintape", "trainer")[0]
+    base = t.median("trainer")
+    print(f"\ntraintape callback (param+grad+update stats every step): "
+          f"{over:.2f} ms/step = {100 * over / base:.1f}% of the Trainer step")  # fmt: skip
+    if "tb+wandb" in variants:
+        d = t.delta("tb+wandb", "trainer")[0]
+        rel = f", {d / over:.0f}x traintape's" if over > 0 else ""
+        print(f"tensorboard + wandb watch=all: step {t.ratio('tb+wandb', 'trainer'):.2f}x "
+              f"({d:.1f} ms/step overhead{rel})")  # fmt: skip
 
 
 if __name__ == "__main__":

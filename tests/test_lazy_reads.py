@@ -72,3 +72,24 @@ def test_lazy_errors_name_the_problem(run: tt.Run) -> None:
         run.stats("param", lazy=True)
     with pytest.raises(ValueError, match="block_rows"):
         run.stats("grad", lazy=True, block_rows=0)
+
+
+def test_lazy_stats_compute_on_a_dask_distributed_cluster(run: tt.Run) -> None:
+    """The lazy graph runs on dask.distributed worker processes (the tasks carry the run,
+    which pickles to its location and is reopened there), equal to the eager read."""
+    distributed = pytest.importorskip("dask.distributed")
+    eager = run.stats("grad")
+    with (
+        distributed.LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
+        ) as cluster,
+        distributed.Client(cluster) as client,
+    ):
+        lazy = run.stats("grad", lazy=True, block_rows=64)
+        assert lazy.npartitions > 1
+        got = client.compute(lazy).result()
+        workers = client.run(lambda: __import__("os").getpid())
+    assert len(set(workers.values())) == 2  # two worker processes did the reads
+    pd.testing.assert_frame_equal(
+        got.reset_index(drop=True), eager.reset_index(drop=True), check_dtype=False
+    )

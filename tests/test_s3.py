@@ -208,3 +208,46 @@ def test_a_malformed_spec_is_refused_naming_it():
         traintape.open_run({"driver": "nope"})
     with pytest.raises(ValueError, match="JSON object with a 'driver'"):
         traintape.open_run({"bucket": "x"})
+
+
+def test_every_cli_command_on_an_s3_run(s3, tmp_path):
+    """show, validate, health, anomalies, report, export, monitor, compare, ls and rm take an
+    s3:// URL like a path (issue: every CLI command on object storage)."""
+    from typer.testing import CliRunner
+
+    from traintape.cli import app
+
+    url = f"s3://{BUCKET}/runs/cli"
+    rng = np.random.default_rng(1)
+    with traintape.Recorder(url, traintape.CapturePolicy(full_every=4)) as rec:
+        for t in range(12):
+            arrays = {f"l{i}/kernel": rng.normal(size=(6, 6)).astype("float32") for i in range(3)}
+            rec.record(t, "param", arrays)
+            rec.record(t, "grad", {k: 0.1 * v for k, v in arrays.items()})
+            rec.log(t, loss=float(1.0 / (t + 1)))
+    runner = CliRunner()
+
+    def ok(*args: str) -> str:
+        r = runner.invoke(app, list(args), env={"COLUMNS": "200"})
+        assert r.exit_code == 0, (args, r.output[-2000:], r.exception)
+        return r.output
+
+    assert "12" in ok("show", url)
+    assert "valid" in ok("validate", url).lower()
+    assert "l1" in ok("health", url)
+    ok("anomalies", url, "--json")
+    html = tmp_path / "r.html"
+    ok("report", url, "-o", str(html))
+    assert html.stat().st_size > 10_000 and "l2" in html.read_text()
+    ok("export", url, str(tmp_path / "pq"), "--to", "parquet")
+    import pandas as pd
+
+    frames = [pd.read_parquet(p) for p in (tmp_path / "pq").glob("*.parquet")]
+    assert frames and sum(len(f) for f in frames) > 0
+    assert "loss" in ok("monitor", url, "--once")
+    assert ok("compare", url, url).strip()
+    assert "cli" in ok("ls", f"s3://{BUCKET}/runs")
+    ok("rm", url, "--yes")
+    r = runner.invoke(app, ["show", url])
+    assert r.exit_code != 0  # gone
+    assert "cli" not in ok("ls", f"s3://{BUCKET}/runs")
