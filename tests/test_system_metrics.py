@@ -122,3 +122,17 @@ def test_memory_spike_is_found_at_its_step(tmp_path: Path) -> None:
     assert [a.step for a in found] in ([40], [41])  # sampled within one row of it
     assert found[0].evidence["metric"] == "sys/rss_bytes"
     assert found[0].evidence["rows"] >= 3
+
+
+def test_report_plots_system_metrics(tmp_path: Path) -> None:
+    from traintape.analysis import write_report
+
+    _record(tmp_path / "r", steps=6, samples_per_step=8)
+    out = tmp_path / "r.html"
+    write_report(tt.open_run(tmp_path / "r"), str(out))
+    text = out.read_text()
+    section = text[text.index("<h2>System</h2>") :]
+    assert section.index("<img") < section.index("<h2>", 5)  # a figure in the section
+    _record(tmp_path / "off", steps=3, system_metrics=False)
+    write_report(tt.open_run(tmp_path / "off"), str(out))
+    assert "No system metrics recorded" in out.read_text()

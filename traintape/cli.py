@@ -486,12 +486,53 @@ def _health_table(rep: Any) -> None:
         )
 
 
-def _health_trend(r: Any, run: str, window: int, as_json: bool) -> None:
+def _checks_table(results: list[Any]) -> None:
+    """The registered user checks' results (``health``): a row per check, then each
+    issue and failure."""
+    if not results:
+        return
+    colour = {**_COLOR, "error": "red"}
+    f = lambda v: "–" if v is None else f"{v:.4g}"  # noqa: E731
+    t = Table(
+        _name_column("check", [c.name for c in results], cap=40), "kind", "status", "value",
+        Column("values", overflow="fold"), Column("issues / error", overflow="fold"),
+        title="registered checks",
+    )  # fmt: skip
+    for c in results:
+        vals = ", ".join(f"{_safe(k)}: {f(v)}" for k, v in list(c.values.items())[:4])
+        if len(c.values) > 4:
+            vals += f", … ({len(c.values)} in all)"
+        what = (
+            f"[red]{_safe(c.error)}[/red]"
+            if c.error is not None
+            else "; ".join(f"{i.severity}: {_safe(i.message)}" for i in c.issues[:3])
+            + (f"; … {len(c.issues) - 3} more" if len(c.issues) > 3 else "")
+        )
+        st = c.status
+        t.add_row(
+            _safe(c.name), c.kind, f"[{colour[st]}]{st}[/{colour[st]}]",
+            f(c.value) + (f" {_safe(c.unit)}" if c.unit and c.value is not None else ""),
+            vals, what,
+        )  # fmt: skip
+    console.print(t)
+    for c in results:
+        for i in c.issues:
+            if i.severity == "info":
+                continue
+            where = _safe(i.layer or "run") + (f" at step {i.step}" if i.step is not None else "")
+            console.print(
+                f"[{_COLOR[i.severity]}]{_safe(c.name)}[/{_COLOR[i.severity]}] {where}: "
+                f"{_safe(i.message)}"
+                + (f"\n    → {_safe(i.recommendation)}" if i.recommendation else "")
+            )
+
+
+def _health_trend(r: Any, run: str, window: int, as_json: bool, th: Any = None) -> None:
     """``health --window N``: each layer's status per window, its changes and episodes."""
     from traintape.analysis import health_trend
 
     with _reading(run), _progress("health") as cb:
-        tr = health_trend(r, window, progress=cb)
+        tr = health_trend(r, window, th, progress=cb)
     code = 1 if tr.worst == "critical" else 0
     if as_json:
         _json_out(tr)
@@ -544,13 +585,13 @@ def _health_trend(r: Any, run: str, window: int, as_json: bool) -> None:
     raise typer.Exit(code)
 
 
-def _health_against(r: Any, run: str, b: Any, against: str, as_json: bool) -> None:
+def _health_against(r: Any, run: str, b: Any, against: str, as_json: bool, th: Any = None) -> None:
     """``health A --against B``: per layer, is A improved, degraded or unchanged?"""
     from traintape.analysis import NoSharedLayersError, Verdict, health_against
 
     with _reading(run, against), _progress("health") as cb:
         try:
-            cmp = health_against(r, b, progress=cb)
+            cmp = health_against(r, b, th, progress=cb)
         except NoSharedLayersError as e:
             _fail(str(e), "--against compares runs of one model: their layer names must match")
     counts = cmp.counts()
@@ -619,6 +660,48 @@ def _health_against(r: Any, run: str, b: Any, against: str, as_json: bool) -> No
     raise typer.Exit(code)
 
 
+def _thresholds(model: Any, items: list[str] | None, command: str) -> Any:
+    """``--threshold NAME=VALUE`` options → an instance of the thresholds ``model`` (a
+    Pydantic model), each NAME one of its fields; exits 2 naming a malformed item, an
+    unknown field (listing the known ones) or a value the field does not accept."""
+    from pydantic import ValidationError
+
+    fields = list(model.model_fields)
+    values: dict[str, str] = {}
+    for item in items or []:
+        name, sep, value = item.partition("=")
+        name, value = name.strip(), value.strip()
+        if not sep or not name or not value:
+            _fail(
+                f"--threshold {item!r}: expected NAME=VALUE",
+                f"e.g. --threshold {fields[0]}=0.5",
+            )
+        if name not in fields:
+            _fail(
+                f"--threshold {item!r}: {command} has no threshold {name!r}",
+                f"{model.__name__} fields: {', '.join(fields)}",
+            )
+        values[name] = value
+    try:
+        return model.model_validate(values)
+    except ValidationError as e:
+        e0 = e.errors()[0]
+        field = str(e0["loc"][0]) if e0.get("loc") else "?"
+        _fail(f"--threshold {field}={values.get(field, '')}: {e0['msg']}")
+
+
+_CHECKS_HELP = (
+    "module (dotted name or .py file) whose @check functions to run too; repeatable "
+    "(installed entry points of traintape.checks always run)"
+)
+
+
+_THRESHOLD_HELP = (
+    "NAME=VALUE: override one of the {model} fields (repeatable; `traintape {cmd} "
+    "--threshold x=1` lists the names); see the {model} docstring for their meaning"
+)
+
+
 @app.command()
 def health(
     run: str = typer.Argument(..., help="run directory or URL"),
@@ -627,6 +710,16 @@ def health(
     ),
     against: str | None = typer.Option(
         None, "--against", help="baseline run: is RUN improved, degraded or unchanged, per layer?"
+    ),
+    threshold: list[str] | None = typer.Option(
+        None,
+        "--threshold",
+        "-t",
+        help=_THRESHOLD_HELP.format(model="HealthThresholds", cmd="health"),
+        show_default=False,
+    ),
+    checks: list[str] | None = typer.Option(
+        None, "--checks", help=_CHECKS_HELP, show_default=False
     ),
     as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
 ) -> None:
@@ -638,22 +731,30 @@ def health(
     layer, RUN improved / degraded / unchanged against the baseline B, with the issues
     resolved or new and the measures that moved (from B's value to RUN's).
 
+    Checks registered in traintape.analysis.registry (@check in a module given with
+    --checks, or installed under the entry-point group traintape.checks) are run and
+    listed after the table; their critical issues count like a layer's, a check that
+    fails is shown as failed.
+
     Exit code 0 unless a layer is critical (1; with --window: in any window); with
     --against, 1 when a layer degraded; 2 on bad input.
     """
+    from traintape.analysis import HealthThresholds
     from traintape.analysis import health as run_health
 
     if window is not None and window < 1:
         _fail(f"--window must be at least 1 step, got {window}")
     if window is not None and against is not None:
         _fail("--window and --against cannot be combined", "run them one after the other")
+    th = _thresholds(HealthThresholds, threshold, "health")
+    _import_checks(checks)
     r = _open(run)
     if window is not None:
-        _health_trend(r, run, window, as_json)
+        _health_trend(r, run, window, as_json, th)
     if against is not None:
-        _health_against(r, run, _open(against), against, as_json)
+        _health_against(r, run, _open(against), against, as_json, th)
     with _reading(run), _progress("health") as cb:
-        rep = run_health(r, progress=cb)
+        rep = run_health(r, th, progress=cb)
     if as_json:
         _json_out(rep)
         raise typer.Exit(1 if rep.status == "critical" else 0)
@@ -662,6 +763,7 @@ def health(
         f"{_status(rep.status)}, score {rep.score:.0f}/100"
     )
     _health_table(rep)
+    _checks_table(rep.checks)
     raise typer.Exit(1 if rep.status == "critical" else 0)
 
 
@@ -670,13 +772,22 @@ def anomalies_cmd(
     run: str = typer.Argument(..., help="run directory or URL"),
     as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
     limit: int = typer.Option(50, help="rows shown (the JSON has all)"),
+    threshold: list[str] | None = typer.Option(
+        None,
+        "--threshold",
+        "-t",
+        help=_THRESHOLD_HELP.format(model="AnomalyThresholds", cmd="anomalies"),
+        show_default=False,
+    ),
 ) -> None:
     """NaN/Inf first seen, loss and gradient spikes, update ratios, dead units, stalls."""
+    from traintape.analysis import AnomalyThresholds
     from traintape.analysis import anomalies as run_anomalies
 
+    th = _thresholds(AnomalyThresholds, threshold, "anomalies")
     r = _open(run)
     with _reading(run), _progress("anomalies") as cb:
-        rep = run_anomalies(r, progress=cb)
+        rep = run_anomalies(r, th, progress=cb)
     if as_json:
         _json_out(rep)
         return
@@ -707,20 +818,174 @@ def anomalies_cmd(
         console.print(f"... {len(rep.anomalies) - limit} more (use --limit or --json)")
 
 
+def _float_list(values: list[str] | None, option: str) -> list[float]:
+    """Comma-separated and/or repeated non-negative numbers of ``option``; exits 2 naming
+    the one that is not."""
+    import math
+
+    out: list[float] = []
+    for v in values or []:
+        for part in v.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            try:
+                x = float(part)
+            except ValueError:
+                _fail(f"{option} {part!r}: not a number", f"e.g. {option} 1e-3,1e-2")
+            if not math.isfinite(x) or x < 0:
+                _fail(f"{option} {part!r}: must be a finite number >= 0")
+            out.append(x)
+    return out
+
+
+def _change_row(name: str, c: Any, thr: list[str]) -> list[str]:
+    f = lambda v: "–" if v is None else f"{v:.3g}"  # noqa: E731
+    return [
+        _safe(name), str(c.numel), f(c.l1), f(c.l2), f(c.relative), f(c.max), f(c.mean),
+        f(c.std), *(f"{c.sparsity[t]:.1%}" for t in thr),
+    ]  # fmt: skip
+
+
+@app.command()
+def change(
+    run: str = typer.Argument(..., help="run directory or URL (with param snapshots)"),
+    step_old: int | None = typer.Option(None, "--from", help="θ_old snapshot step [first]"),
+    step_new: int | None = typer.Option(None, "--to", help="θ_new snapshot step [last]"),
+    thresholds: list[str] | None = typer.Option(
+        None,
+        "--thresholds",
+        help="|Δ| thresholds of the sparsity columns, comma-separated [1e-8,1e-6,1e-4]",
+        show_default=False,
+    ),
+    limit: int = typer.Option(50, min=1, help="layers shown (the JSON has all)"),
+    as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+) -> None:
+    """Parameter change between two snapshot steps: Δ = θ(--to) − θ(--from).
+
+    Per layer, per component (attention q/k/v/o, mlp, embedding, norm, lora/...) and in
+    total: ‖Δ‖₁, ‖Δ‖₂, ‖Δ‖₂/‖θ_old‖₂, max |Δ|, mean and std of Δ, and the fraction of
+    entries with |Δ| <= each threshold (sparsity). LoRA runs also get each adapter's
+    effective update ΔW = s·A·B and how far it moved. Needs full param snapshots
+    (CapturePolicy(full_every=N)); --from/--to default to the first and last.
+    """
+    from traintape.analysis import parameter_change
+    from traintape.analysis.change import DEFAULT_THRESHOLDS, param_snapshot_steps
+
+    thr = tuple(sorted(set(_float_list(thresholds, "--thresholds")))) or DEFAULT_THRESHOLDS
+    r = _open(run)
+    with _reading(run):
+        steps = param_snapshot_steps(r)
+    snaps = set(steps)
+    if len(steps) < 2:
+        _fail(
+            f"{run}: needs param snapshots at two steps, found {len(steps)}",
+            "record with CapturePolicy(full_every=N) to keep full parameter snapshots",
+        )
+    shown = ", ".join(map(str, steps[:20])) + (" ..." if len(steps) > 20 else "")
+    for opt, s in (("--from", step_old), ("--to", step_new)):
+        if s is not None and s not in snaps:
+            _fail(f"{opt} {s}: {run} has no param snapshot at step {s}", f"snapshot steps: {shown}")
+    a = steps[0] if step_old is None else step_old
+    b = steps[-1] if step_new is None else step_new
+    if a >= b:
+        _fail(f"--from {a} must be before --to {b}", f"snapshot steps: {shown}")
+    with _reading(run), _progress("parameter change") as cb:
+        pc = parameter_change(r, thr, steps=(a, b), progress=cb)
+    if as_json:
+        _json_out(pc)
+        return
+    p = pc.pairs[0]
+    keys = [f"{t:g}" for t in pc.thresholds]
+    console.print(
+        f"[bold]{_safe(r.url)}[/bold]: Δ = θ(step {b}) − θ(step {a}), "
+        f"{len(p.per_tensor)} param tensors in {len(p.per_layer)} layers",
+        highlight=False,
+    )
+    from rich import box
+
+    heads = [Column(h, justify="right", no_wrap=True) for h in (
+        "numel", "‖Δ‖₁", "‖Δ‖₂", "‖Δ‖/‖θ‖", "max |Δ|", "mean Δ", "std Δ",
+        *(f"≤{k}" for k in keys),
+    )]  # fmt: skip
+    note = "≤t: the share of entries with |Δ| ≤ t"
+    t = Table(_name_column("component", [*p.per_component, "total"]), *heads,
+              title="per component", box=box.SIMPLE_HEAD, caption=note)  # fmt: skip
+    comps = list(p.per_component.items())
+    for n, (name, c) in enumerate(comps):
+        t.add_row(*_change_row(name, c, keys), end_section=n == len(comps) - 1)
+    t.add_row(*_change_row("total", p.total, keys), style="bold")
+    console.print(t)
+    layers = list(p.per_layer.items())
+    t = Table(_name_column("layer", [x for x, _ in layers[:limit]], cap=40), *heads,
+              title="per layer", box=box.SIMPLE_HEAD, caption=note)  # fmt: skip
+    for name, c in layers[:limit]:
+        t.add_row(*_change_row(name, c, keys))
+    console.print(t)
+    if len(layers) > limit:
+        console.print(f"... {len(layers) - limit} more layers (use --limit or --json)")
+    if p.lora:
+        f = lambda v: "–" if v is None else f"{v:.3g}"  # noqa: E731
+        t = Table(
+            _name_column("adapter", list(p.lora), cap=40), "‖ΔW_old‖", "‖ΔW_new‖",
+            "‖ΔW_new − ΔW_old‖", "/‖W_base‖", "effective rank",
+            title="LoRA effective update ΔW = s·A·B",
+        )  # fmt: skip
+        for k, x in list(p.lora.items())[:limit]:
+            t.add_row(_safe(k), f(x.norm_old), f(x.norm), f(x.change), f(x.relative),
+                      f(x.effective_rank))  # fmt: skip
+        console.print(t)
+        if pc.lora is not None and not pc.lora.scale_known:
+            console.print(
+                "[dim]the run does not record PEFT's scale s (lora_alpha / r): ΔW is up to s[/dim]"
+            )
+
+
 @app.command()
 def report(
     run: str = typer.Argument(..., help="run directory or URL"),
-    out: str = typer.Option("report.html", "--out", "-o", help="HTML file to write"),
+    out: str | None = typer.Option(
+        None,
+        "--out",
+        "-o",
+        help="file to write [html: report.html; md: standard output]",
+        show_default=False,
+    ),
+    fmt: str = typer.Option(
+        "html", "--format", "-f", help="html (a self-contained page) or md (Markdown)"
+    ),
+    checks: list[str] | None = typer.Option(
+        None, "--checks", help=_CHECKS_HELP, show_default=False
+    ),
 ) -> None:
-    """Write one self-contained HTML report (figures embedded, no network needed)."""
-    from traintape.analysis import write_report
+    """Write one self-contained HTML report (figures embedded, sortable tables, a detail
+    per layer; no network needed), or with --format md a Markdown summary — run info,
+    health table, checks, anomalies, largest parameter changes — to paste into an issue
+    tracker (printed unless --out is given)."""
+    from traintape.analysis import render_markdown, write_report
 
+    if fmt not in ("html", "md"):
+        _fail(f"unknown report format {fmt!r}: use html or md")
+    if fmt == "html" and out is None:
+        out = "report.html"
+    if out is not None:
+        parent = os.path.dirname(os.path.abspath(out))
+        if not os.path.isdir(parent):
+            _fail(f"cannot write {out}: directory {parent} does not exist")
+    _import_checks(checks)
     r = _open(run)
-    parent = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(parent):
-        _fail(f"cannot write {out}: directory {parent} does not exist")
-    with _reading(run), _progress("report") as cb:
-        write_report(r, out, progress=cb)
+    if fmt == "md":
+        with _reading(run), _progress("report") as cb:
+            text = render_markdown(r, progress=cb)
+        if out is None:
+            sys.stdout.write(text)
+            return
+        with open(out, "w", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        assert out is not None
+        with _reading(run), _progress("report") as cb:
+            write_report(r, out, progress=cb)
     console.print(f"wrote {out} ({_human(os.path.getsize(out))})")
 
 
@@ -1047,6 +1312,17 @@ def _load_object(spec: str, what: str) -> Any:
     mod_name, sep, attr = spec.rpartition(":")
     if not sep or not mod_name or not attr:
         _fail(f"{what} {spec!r}: expected MODULE:ATTR, e.g. mymodel:forward or path/to/m.py:model")
+    obj: Any = _import_module(mod_name, spec, what)
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            _fail(f"{what} {spec!r}: {mod_name} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def _import_module(mod_name: str, spec: str, what: str) -> Any:
+    """Import ``mod_name``: a dotted module importable from the current directory, or a
+    path to a ``.py`` file. Exits 2 naming ``what`` and ``spec`` if it cannot."""
     try:
         if mod_name.endswith(".py") or os.sep in mod_name:
             path = os.path.abspath(mod_name)
@@ -1070,12 +1346,14 @@ def _load_object(spec: str, what: str) -> Any:
         raise
     except Exception as e:
         _fail(f"{what} {spec!r}: cannot import {mod_name}: {type(e).__name__}: {e}")
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            _fail(f"{what} {spec!r}: {mod_name} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    return obj
+    return module
+
+
+def _import_checks(specs: list[str] | None) -> None:
+    """``--checks``: import each module (dotted name or ``.py`` path) so that its
+    ``@check`` decorators register its checks; exits 2 if one cannot be imported."""
+    for spec in specs or []:
+        _import_module(spec, spec, "--checks")
 
 
 def _load_inputs(spec: str) -> Any:

@@ -4,18 +4,30 @@
   :func:`health_trend` — the same per window of steps (plus TURBULENT, PRESSURE_SPIKE,
   ACCELERATING); :func:`health_against` / :func:`compare_health` — per layer, is a run
   improved, degraded or unchanged against a baseline?
+- :func:`architecture` — architecture-aware checks (bottlenecks, residual stream growth or
+  decay, attention vs FFN and per-head gradient balance, recurrent gates); part of
+  :func:`health`.
 - :func:`anomalies` — NaN/Inf first seen, loss and gradient spikes, dead units, stalls.
 - :func:`parameter_change` / :func:`change_from_stats` — how much parameters moved;
   :func:`lora_delta` — a LoRA run's effective update ΔW = s·A·B per adapted layer.
 - :func:`sparse_update_quality` / :func:`sparse_update_from_run` — would a sparse update
   have done the same?
 - :func:`compare` — are two runs identical; which tensor diverged first.
-- :func:`write_report` — one self-contained HTML report.
+- :func:`write_report` — one self-contained HTML report; :func:`render_markdown` — a
+  Markdown summary to paste into an issue tracker.
+- :func:`check` / :func:`metric` (:mod:`~traintape.analysis.registry`) — register a user
+  check over a run (or install one under the entry-point group ``traintape.checks``);
+  :func:`run_checks` runs them, and so do :func:`health` and the reports.
 - :func:`export` — Parquet / CSV / NPZ; :func:`export_tensorboard` / :func:`export_wandb`
   — a TensorBoard event file / an offline W&B run (scalars, metrics, histograms).
 """
 
 from traintape.analysis.anomalies import Anomaly, AnomalyReport, AnomalyThresholds, anomalies
+from traintape.analysis.architecture import (
+    ArchitectureReport,
+    ArchitectureThresholds,
+    architecture,
+)
 from traintape.analysis.bridges import export_tensorboard, export_wandb
 from traintape.analysis.change import (
     LoraDelta,
@@ -54,7 +66,15 @@ from traintape.analysis.health_trend import (
     TrendIssue,
     health_trend,
 )
-from traintape.analysis.report import render_report, write_report
+from traintape.analysis.registry import (
+    CheckIssue,
+    CheckResult,
+    check,
+    metric,
+    run_checks,
+)
+from traintape.analysis.registry import register as register_check
+from traintape.analysis.report import render_markdown, render_report, write_report
 from traintape.analysis.sparse import (
     OutputAgreement,
     SparseUpdateQuality,
@@ -67,6 +87,10 @@ __all__ = [
     "Anomaly",
     "AnomalyReport",
     "AnomalyThresholds",
+    "ArchitectureReport",
+    "ArchitectureThresholds",
+    "CheckIssue",
+    "CheckResult",
     "CompareReport",
     "HealthComparison",
     "HealthReport",
@@ -92,7 +116,9 @@ __all__ = [
     "TrendIssue",
     "Verdict",
     "anomalies",
+    "architecture",
     "change_from_stats",
+    "check",
     "compare",
     "compare_health",
     "export",
@@ -102,8 +128,12 @@ __all__ = [
     "health_against",
     "health_trend",
     "lora_delta",
+    "metric",
     "parameter_change",
+    "register_check",
+    "render_markdown",
     "render_report",
+    "run_checks",
     "sparse_update_from_run",
     "sparse_update_quality",
     "write_report",

@@ -399,6 +399,10 @@ class ChangeStats(BaseModel):
     l2: float
     max: float
     relative: float | None = Field(None, description="‖Δ‖₂ / ‖θ_old‖₂")
+    mean: float | None = Field(None, description="mean of Δ (the drift)")
+    std: float | None = Field(None, description="standard deviation of Δ's entries")
+    mean_shift: float | None = Field(None, description="mean(θ_new) − mean(θ_old)")
+    std_shift: float | None = Field(None, description="std(θ_new) − std(θ_old)")
     sparsity: dict[str, float] = Field(description="threshold → fraction with |Δ| <= threshold")
 
 
@@ -424,6 +428,28 @@ class ParameterChange(BaseModel):
     )
 
 
+class _Moments:
+    """Count, mean and sum of squared deviations, merged exactly over parts (Chan et al.)."""
+
+    def __init__(self) -> None:
+        self.n, self.mean, self.m2 = 0, 0.0, 0.0
+
+    def add(self, x: np.ndarray) -> None:
+        if not x.size:
+            return
+        n, mean = x.size, float(x.mean())
+        m2 = float(((x - mean) ** 2).sum())
+        tot = self.n + n
+        delta = mean - self.mean
+        self.m2 += m2 + delta * delta * self.n * n / tot
+        self.mean += delta * n / tot
+        self.n = tot
+
+    @property
+    def std(self) -> float | None:
+        return float(np.sqrt(max(self.m2, 0.0) / self.n)) if self.n else None
+
+
 class _Agg:
     def __init__(self, thresholds: tuple[float, ...]) -> None:
         self.n = 0
@@ -433,8 +459,9 @@ class _Agg:
         self.old_sq = 0.0
         self.below = np.zeros(len(thresholds))
         self.thr = thresholds
+        self.d, self.old, self.new = _Moments(), _Moments(), _Moments()
 
-    def add(self, d: np.ndarray, old: np.ndarray) -> None:
+    def add(self, d: np.ndarray, old: np.ndarray, new: np.ndarray | None = None) -> None:
         a = np.abs(d)
         self.n += a.size
         self.l1 += float(a.sum())
@@ -443,19 +470,39 @@ class _Agg:
         self.old_sq += float((old * old).sum())
         for i, t in enumerate(self.thr):
             self.below[i] += float((a <= t).sum())
+        self.d.add(d)
+        self.old.add(old)
+        self.new.add(old + d if new is None else new)
 
     def result(self) -> ChangeStats:
+        o, w = self.old, self.new
+        std_shift = None
+        if w.std is not None and o.std is not None:
+            std_shift = finite_float(w.std - o.std)
         return ChangeStats(
             numel=self.n,
             l1=self.l1,
             l2=float(np.sqrt(self.sq)),
             max=self.mx,
             relative=float(np.sqrt(self.sq / self.old_sq)) if self.old_sq > 0 else None,
+            mean=finite_float(self.d.mean) if self.n else None,
+            std=finite_float(self.d.std) if self.d.std is not None else None,
+            mean_shift=finite_float(w.mean - o.mean) if self.n else None,
+            std_shift=std_shift,
             sparsity={
                 f"{t:g}": float(b / max(self.n, 1))
                 for t, b in zip(self.thr, self.below, strict=True)
             },
         )
+
+
+def param_snapshot_steps(run: Run) -> list[int]:
+    """The steps at which any param tensor has a full snapshot (ascending)."""
+    if not run.manifest.commit.snapshots.get(Kind.PARAM):
+        return []
+    return sorted(
+        {int(x) for n in run.tensor_names(Kind.PARAM) for x in run.snapshot_steps(n, Kind.PARAM)}
+    )
 
 
 def parameter_change(
@@ -466,8 +513,10 @@ def parameter_change(
     progress: ProgressCallback | None = None,
     scale: ScaleSpec | None = None,
     cache: StatsCache | None = None,
+    steps: tuple[int, int] | None = None,
 ) -> ParameterChange:
-    """Change between consecutive param snapshots (all tensors with snapshots).
+    """Change between consecutive param snapshots (all tensors with snapshots), or
+    between the two snapshot steps ``steps``.
 
     In a LoRA run each pair also gets ``lora`` / ``lora_per_component``: the adapters'
     effective update ΔW = s·A·B at both steps and how far it moved (:class:`LoraChange`),
@@ -481,6 +530,12 @@ def parameter_change(
             (and one LoRA adapter).
         scale: LoRA scale ``s`` (see :func:`lora_scale`; default: from the manifest).
         cache: a shared stats cache (LoRA runs read the factors' param norms from it).
+        steps: ``(old, new)``: only the change from snapshot step ``old`` to ``new``
+            (any two snapshot steps, ``max_pairs`` then ignored); the tensors with
+            snapshots at both are compared.
+
+    Raises:
+        KeyError: a step of ``steps`` has no param snapshot (the message lists them).
     """
     specs = run.manifest.specs(Kind.PARAM)
     steps_by: dict[str, np.ndarray] = {}
@@ -488,7 +543,16 @@ def parameter_change(
         steps_by = {s.name: run.snapshot_steps(s.name, Kind.PARAM) for s in specs}
     all_steps = sorted({int(x) for v in steps_by.values() for x in v})
     pairs = list(itertools.pairwise(all_steps))
-    if max_pairs is not None:
+    if steps is not None:
+        missing = [s for s in steps if s not in all_steps]
+        if missing:
+            shown = ", ".join(map(str, all_steps[:20])) + (" ..." if len(all_steps) > 20 else "")
+            raise KeyError(
+                f"{run.url}: no param snapshot at step {missing[0]} "
+                f"(snapshot steps: {shown or 'none'})"
+            )
+        pairs = [(int(steps[0]), int(steps[1]))]
+    elif max_pairs is not None:
         pairs = pairs[-max_pairs:]
     adapters = lora_pairs(run)
     keep = {n for p in adapters for n in (p.a, p.b, p.base) if n is not None}
@@ -516,14 +580,14 @@ def parameter_change(
                 kept[spec.name] = (old, new)
             d = new - old
             t = _Agg(thresholds)
-            t.add(d, old)
+            t.add(d, old, new)
             tens[spec.name] = t.result()
             for agg in (
                 total,
                 layers.setdefault(layer_of(spec.name), _Agg(thresholds)),
                 comps.setdefault(component_of(spec), _Agg(thresholds)),
             ):
-                agg.add(d, old)
+                agg.add(d, old, new)
         lora, lora_comps = _lora_pair_change(adapters, scales, kept)
         out.append(
             StepPairChange(
@@ -539,7 +603,8 @@ def parameter_change(
         )
     delta = None
     if adapters:
-        delta = lora_delta(run, scale=scale, cache=cache, progress=tracker.child())
+        at = None if steps is None else int(steps[1])
+        delta = lora_delta(run, at, scale=scale, cache=cache, progress=tracker.child())
     tracker.finish()
     return ParameterChange(url=run.url, thresholds=list(thresholds), pairs=out, lora=delta)
 

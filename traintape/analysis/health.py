@@ -12,7 +12,10 @@ the stat vectors of ``grad``, ``param``, ``update`` and ``activation`` and compu
 - saturation of bounded activations (see :class:`HealthThresholds`).
 
 Issues (each with a severity and a concrete recommendation): VANISHING, EXPLODING, DEAD,
-SATURATED, DECAY_WITH_DEPTH, LAYER_IMBALANCE, ATTENTION_QKV_IMBALANCE; per window of
+SATURATED, DECAY_WITH_DEPTH, LAYER_IMBALANCE, ATTENTION_QKV_IMBALANCE; the architecture
+checks of :mod:`~traintape.analysis.architecture` (BOTTLENECK, RESIDUAL_DECAY,
+ATTENTION_FFN_IMBALANCE, ATTENTION_HEAD_IMBALANCE, GATE_SATURATION, FORGET_GATE_CLOSED,
+over the whole run, their measures in :attr:`HealthReport.architecture`); per window of
 steps (:mod:`~traintape.analysis.health_trend`) also TURBULENT, PRESSURE_SPIKE and
 ACCELERATING. A layer's score is ``100 − Σ penalties`` (critical 60, warning 25, floored
 at 0); status is ``critical`` with any critical issue, ``warning`` with any warning, else
@@ -81,7 +84,13 @@ from traintape.analysis._common import (
     layer_norms,
     stat_index,
 )
+from traintape.analysis.architecture import (
+    ArchitectureReport,
+    ArchitectureThresholds,
+    architecture,
+)
 from traintape.analysis.change import LoraPair, lora_pairs, lora_scale, qkv_groups
+from traintape.analysis.registry import CheckResult, run_checks
 from traintape.schema import Kind
 
 if TYPE_CHECKING:
@@ -99,6 +108,12 @@ class IssueType(StrEnum):
     TURBULENT = "TURBULENT"
     PRESSURE_SPIKE = "PRESSURE_SPIKE"
     ACCELERATING = "ACCELERATING"
+    BOTTLENECK = "BOTTLENECK"
+    RESIDUAL_DECAY = "RESIDUAL_DECAY"
+    ATTENTION_FFN_IMBALANCE = "ATTENTION_FFN_IMBALANCE"
+    ATTENTION_HEAD_IMBALANCE = "ATTENTION_HEAD_IMBALANCE"
+    GATE_SATURATION = "GATE_SATURATION"
+    FORGET_GATE_CLOSED = "FORGET_GATE_CLOSED"
 
 
 class Status(StrEnum):
@@ -107,8 +122,10 @@ class Status(StrEnum):
     CRITICAL = "critical"
 
 
-class HealthThresholds(BaseModel):
-    """Documented, configurable thresholds (defaults in parentheses).
+class HealthThresholds(ArchitectureThresholds):
+    """Documented, configurable thresholds (defaults in parentheses); the fields of
+    :class:`~traintape.analysis.architecture.ArchitectureThresholds` (``bottleneck_ratio``,
+    ``residual_factor``, ``head_ratio``, ``forget_bias_closed``, ...) are fields here too.
 
     - ``vanishing_rel`` (1e-2) / ``vanishing_rel_critical`` (1e-3): a layer whose
       ``rel_grad`` is below this fraction of the largest layer's is VANISHING (warning /
@@ -227,6 +244,14 @@ class HealthReport(BaseModel):
     frozen: list[str] = Field(
         default_factory=list,
         description="frozen layers (param without grad, e.g. a LoRA base model): not judged",
+    )
+    architecture: ArchitectureReport | None = Field(
+        None, description="measures of the architecture checks (blocks, heads, gates, ...)"
+    )
+    checks: list[CheckResult] = Field(
+        default_factory=list,
+        description="registered user checks (traintape.analysis.registry); their issues "
+        "count towards status, not score",
     )
 
     def issues(self) -> list[Issue]:
@@ -769,6 +794,7 @@ def health(
     *,
     progress: ProgressCallback | None = None,
     cache: StatsCache | None = None,
+    checks: bool = True,
 ) -> HealthReport:
     """Gradient-flow health of every layer of ``run`` (see module docstring).
 
@@ -778,6 +804,9 @@ def health(
         progress: ``callback(stage, done, total)``; a unit is one row block of a stats
             array read (grad, param, update, activation), plus one for the analysis.
         cache: a shared stats cache (used by the report so that each array is read once).
+        checks: run the registered user checks (:mod:`~traintape.analysis.registry`) into
+            :attr:`HealthReport.checks`; a critical or warning issue of one sets the
+            status at least that bad, a failed check is reported, never raised.
     """
     th = thresholds or HealthThresholds()
     if cache is None:
@@ -794,8 +823,17 @@ def health(
     out, facts = _measure(s, slice(None), totals)
     tracker.stage("analysing layers")
     run_issues = _judge(out, facts, th)
+    arch = architecture(run, th, cache=cache)
+    by_layer = {lh.layer: lh for lh in out}
+    for a in arch.issues:  # a layer's own issue, or run level (attention, block, stack)
+        iss = Issue(type=IssueType(a.type), severity=Status(a.severity), layer=a.layer,
+                    message=a.message, recommendation=a.recommendation, evidence=a.evidence)  # fmt: skip
+        (by_layer[a.layer].issues if a.layer in by_layer else run_issues).append(iss)
     score, status = _score(out, run_issues, th)
     tracker.advance()
+    user = run_checks(run) if checks else []
+    status = _worst([status, *(Status(r.status) for r in user if r.status != "error")])
     return HealthReport(url=run.url, steps=len(s.steps), layers=out, run_issues=run_issues,
-                        thresholds=th, score=score, status=status,
-                        frozen=[x for x in s.layers if x in s.frozen])  # fmt: skip
+                        thresholds=th, score=score, status=status, checks=user,
+                        frozen=[x for x in s.layers if x in s.frozen],
+                        architecture=arch)  # fmt: skip

@@ -1,10 +1,19 @@
-"""Self-contained HTML report of a run (one file, no network: figures are base64 PNGs).
+"""Self-contained HTML report of a run (one file, no network: figures are base64 PNGs),
+and a Markdown summary of it.
 
-Sections: run info; metric curves; layer × step heatmaps of gradient norm and of the
+HTML sections: run info; metric curves; layer × step heatmaps of gradient norm and of the
 update/param ratio (log10); weight-distribution evolution (mean ± std and min/max of each
 kernel over steps); health table and each layer's health per window of steps (about
-:data:`TREND_WINDOWS` windows); anomalies; parameter change (with LoRA runs' effective
-update ΔW = s·A·B per adapted layer). Every name read from the store is HTML-escaped.
+:data:`TREND_WINDOWS` windows); the registered checks
+(:mod:`~traintape.analysis.registry`); anomalies; parameter change (with LoRA runs'
+effective update ΔW = s·A·B per adapted layer); a collapsible detail per layer (its
+measures, issues, status per window, anomalies, checks and change per snapshot pair).
+Tables sort by a click on a column header (a few lines of inline script; the page works
+without it). Every name read from the store is HTML-escaped.
+
+:func:`render_markdown`: run info, the health table (layers with issues first), the
+registered checks, an anomalies summary and the largest parameter changes — text to paste
+into an issue tracker.
 """
 
 from __future__ import annotations
@@ -23,20 +32,29 @@ from traintape.analysis._common import (
     Tracker,
     _quiet,
     layer_norms,
+    layer_of,
     natural_key,
 )
 from traintape.analysis.anomalies import AnomalyReport, anomalies, want_anomalies
-from traintape.analysis.change import LoraDelta, change_from_stats, parameter_change
-from traintape.analysis.health import HealthReport, health
+from traintape.analysis.change import (
+    LoraDelta,
+    ParameterChange,
+    change_from_stats,
+    param_snapshot_steps,
+    parameter_change,
+)
+from traintape.analysis.health import HealthReport, LayerHealth, health, want_health
 from traintape.analysis.health_trend import (
     HealthTrend,
     default_window,
     health_trend,
     want_health_trend,
 )
+from traintape.analysis.registry import CheckResult
 from traintape.schema import Kind
 
 if TYPE_CHECKING:
+    import pandas as pd
     from matplotlib.figure import Figure
 
     from traintape.core.reader import Run
@@ -47,7 +65,45 @@ h1{font-size:22px}h2{font-size:18px;border-bottom:1px solid #ddd;padding-bottom:
 table{border-collapse:collapse;font-size:13px;margin:8px 0}td,th{border:1px solid #ddd;padding:3px 8px;text-align:left}
 th{background:#f4f4f4}.healthy{color:#1a7f37}.warning{color:#9a6700}.critical,.error{color:#cf222e;font-weight:600}
 img{max-width:100%;display:block;margin:8px 0}.muted{color:#777}code{font-size:12px}
+table.sortable th{cursor:pointer;user-select:none}table.sortable th:after{content:" ⇅";color:#bbb}
+table.sortable th[aria-sort=ascending]:after{content:" ▲";color:#444}
+table.sortable th[aria-sort=descending]:after{content:" ▼";color:#444}
+details{margin:2px 0}details>summary{cursor:pointer}details[open]{padding-bottom:6px}
+details .body{margin-left:18px}
 """
+
+# Click a header of a table.sortable to sort its body rows by that column (again: the
+# other way). Cells sort by data-sort if set, else their text: numbers as numbers, other
+# text in natural order; empty cells and "–" always last. No network, no dependencies.
+_SORT_JS = """
+document.querySelectorAll("table.sortable").forEach(function(t){
+ var hs=t.tHead?t.tHead.rows[0].cells:[];
+ Array.prototype.forEach.call(hs,function(th,i){th.addEventListener("click",function(){
+  var asc=th.getAttribute("aria-sort")!=="ascending",b=t.tBodies[0];
+  Array.prototype.forEach.call(hs,function(h){h.removeAttribute("aria-sort")});
+  th.setAttribute("aria-sort",asc?"ascending":"descending");
+  function key(r){var c=r.cells[i],v=c?(c.getAttribute("data-sort")||c.textContent).trim():"";
+   if(v===""||v==="–")return null;var n=Number(v.replace("%",""));return isNaN(n)?v:n}
+  var rows=Array.prototype.slice.call(b.rows);
+  rows.sort(function(x,y){var a=key(x),c=key(y);if(a===null||c===null)return a===c?0:a===null?1:-1;
+   var r=typeof a==="number"&&typeof c==="number"?a-c:typeof a==="number"?-1:typeof c==="number"?1:
+    String(a).localeCompare(String(c),undefined,{numeric:true});return asc?r:-r});
+  rows.forEach(function(r){b.appendChild(r)})})})});
+"""
+
+_RANK = {"healthy": 0, "info": 0, "warning": 1, "critical": 2, "error": 3}
+
+
+def _table(head: list[str], rows: list[str], sortable: bool = True) -> str:
+    """A table with a ``<thead>`` of the (escaped here) headers and a ``<tbody>`` of
+    ``rows`` (each already ``<tr>…</tr>``); sortable by a header click."""
+    cls = ' class="sortable"' if sortable else ""
+    ths = "".join(f"<th>{_e(h)}</th>" for h in head)
+    return f"<table{cls}><thead><tr>{ths}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+
+
+def _status_td(status: str) -> str:
+    return f'<td class="{_e(status)}" data-sort="{_RANK.get(status, 0)}">{_e(status)}</td>'
 
 
 def _png(fig: Figure) -> str:
@@ -128,23 +184,74 @@ def _heatmap(steps: np.ndarray, layers: list[str], values: np.ndarray, title: st
     return _png(fig)
 
 
-def _metrics_fig(run: Run) -> str | None:
+def _curves_fig(
+    frame: pd.DataFrame,
+    titles: dict[str, str] | None = None,
+    scale: dict[str, float] | None = None,
+    marks: dict[str, list[int]] | None = None,
+    per_row: int = 3,
+) -> str | None:
+    """One small line plot per column of ``frame`` (index = step), ``per_row`` a row;
+    ``titles``/``scale`` rename and rescale columns, ``marks`` draws vertical lines at
+    steps of a column (e.g. memory spikes). None when ``frame`` has no columns."""
     import matplotlib.pyplot as plt
 
-    met = run.metrics()
-    if not len(met.columns):
+    cols = list(frame.columns)
+    if not cols:
         return None
-    cols = list(met.columns)
-    fig, axes = plt.subplots(1, len(cols), figsize=(min(5 * len(cols), 15), 3), squeeze=False)
-    for ax, c in zip(axes[0], cols, strict=True):
-        s = met[c].dropna()
+    n_rows = -(-len(cols) // per_row)
+    width = min(len(cols), per_row)
+    fig, axes = plt.subplots(n_rows, width, figsize=(min(5 * width, 15), 3 * n_rows), squeeze=False)
+    for ax in axes.flat[len(cols) :]:
+        ax.set_visible(False)
+    for ax, c in zip(axes.flat, cols, strict=False):
+        s = frame[c].dropna() * (scale or {}).get(c, 1.0)
         ax.plot(s.index, s.to_numpy(), lw=1.5)
         if len(s) and (s > 0).all() and s.max() / max(s.min(), 1e-30) > 50:
             ax.set_yscale("log")
-        ax.set_title(c)
+        else:
+            ax.ticklabel_format(axis="y", useOffset=False)  # values as they are, no "+2.26e4"
+        for step in (marks or {}).get(c, []):
+            ax.axvline(step, color="#c0392b", lw=1, ls="--")
+        ax.set_title((titles or {}).get(c, c))
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
+    fig.tight_layout()
     return _png(fig)
+
+
+def _metrics_fig(run: Run) -> str | None:
+    return _curves_fig(run.metrics())
+
+
+_SYSTEM_UNITS: dict[str, tuple[str, float]] = {
+    "sys/step_time": ("step time (s)", 1.0),
+    "sys/samples_per_s": ("samples / s", 1.0),
+    "sys/cpu_percent": ("process CPU (%)", 1.0),
+    "sys/rss_bytes": ("RSS (MiB)", 2.0**-20),
+    "sys/mem_available_bytes": ("host memory available (MiB)", 2.0**-20),
+    "sys/gpu_mem_allocated_bytes": ("GPU memory allocated (MiB)", 2.0**-20),
+    "sys/gpu_mem_reserved_bytes": ("GPU memory reserved (MiB)", 2.0**-20),
+    "sys/gpu_util_percent": ("GPU utilisation (%)", 1.0),
+    "sys/bytes_written": ("traintape bytes written (MiB)", 2.0**-20),
+}
+"""System metrics the report plots (title, factor); ``sys/time`` is not plotted."""
+
+
+def _system_fig(run: Run, an: AnomalyReport) -> str | None:
+    """Step time, throughput, CPU, memory (with ``memory_spike`` anomalies marked), GPU
+    and bytes written, one plot each, for the system metrics the run has."""
+    sysm = run.system()
+    cols = [c for c in _SYSTEM_UNITS if c in sysm.columns and sysm[c].notna().any()]
+    marks: dict[str, list[int]] = {}
+    for a in an.of_type("memory_spike"):
+        marks.setdefault(str(a.evidence.get("metric")), []).append(a.step)
+    return _curves_fig(
+        sysm[cols],
+        titles={c: _SYSTEM_UNITS[c][0] for c in cols},
+        scale={c: _SYSTEM_UNITS[c][1] for c in cols},
+        marks=marks,
+    )
 
 
 _WEIGHT_STATS = ("mean", "std", "min", "max")
@@ -194,8 +301,8 @@ def _health_html(h: HealthReport) -> str:
     for lh in h.layers:
         iss = "; ".join(f"{i.type.value}: {i.message}" for i in lh.issues) or ""
         rows.append(
-            f"<tr><td>{_e(lh.layer)}</td><td>{lh.score:.0f}</td>"
-            f'<td class="{lh.status.value}">{lh.status.value}</td><td>{_fmt(lh.grad_norm)}</td>'
+            f'<tr><td data-sort="{lh.depth}">{_e(lh.layer)}</td><td>{lh.score:.0f}</td>'
+            f"{_status_td(lh.status.value)}<td>{_fmt(lh.grad_norm)}</td>"
             f"<td>{_fmt(lh.rel_grad)}</td><td>{_fmt(lh.update_ratio)}</td>"
             f"<td>{_fmt(lh.act_zero_frac)}</td><td>{_e(iss)}</td></tr>"
         )
@@ -209,15 +316,184 @@ def _health_html(h: HealthReport) -> str:
         for lh in h.layers
         for i in lh.issues[:1]
     )
+    head = ["layer", "score", "status", "grad norm", "grad/param", "update/param",
+            "act zero frac", "issues"]  # fmt: skip
     return (
         f'<p>Overall: <span class="{h.status.value}">{h.status.value}</span>, score {h.score:.0f}/100</p>'
-        "<table><tr><th>layer</th><th>score</th><th>status</th><th>grad norm</th>"
-        "<th>grad/param</th><th>update/param</th><th>act zero frac</th><th>issues</th></tr>"
-        + "".join(rows)
-        + "</table>"
+        + _table(head, rows)
         + (f"<ul>{run_iss}</ul>" if run_iss else "")
         + (f"<p>Recommendations:</p><ul>{recos}</ul>" if recos else "")
     )
+
+
+def _values_text(values: dict[str, float | None], most: int = 6) -> str:
+    shown = ", ".join(f"{k}: {_fmt(v)}" for k, v in list(values.items())[:most])
+    return shown + (f", … ({len(values)} in all)" if len(values) > most else "")
+
+
+def _checks_html(results: list[CheckResult]) -> str:
+    """The registered checks: a row per check, then a collapsible detail of each one
+    with per-layer values or issues (its values in full, its issues with advice)."""
+    if not results:
+        return (
+            "<p class='muted'>No checks registered (see <code>traintape.analysis.registry"
+            "</code>: a decorator, or the entry-point group <code>traintape.checks</code>).</p>"
+        )
+    rows = []
+    for c in results:
+        what = (
+            _e(c.error)
+            if c.error is not None
+            else _e("; ".join(f"{i.severity}: {i.message}" for i in c.issues[:3]))
+            + (f" … {len(c.issues) - 3} more" if len(c.issues) > 3 else "")
+        )
+        rows.append(
+            f"<tr><td>{_e(c.name)}</td><td>{_e(c.kind)}</td>{_status_td(c.status)}"
+            f"<td>{_fmt(c.value)}{(' ' + _e(c.unit)) if c.unit and c.value is not None else ''}"
+            f"</td><td>{_e(_values_text(c.values))}</td><td>{what}</td>"
+            f"<td>{_e(c.description)}</td></tr>"
+        )
+    details = []
+    for c in results:
+        if not c.values and not c.issues:
+            continue
+        vals = _table(
+            ["layer / tensor", "value"],
+            [f"<tr><td>{_e(k)}</td><td>{_fmt(v)}</td></tr>" for k, v in c.values.items()],
+        ) if c.values else ""  # fmt: skip
+        iss = _table(
+            ["severity", "where", "step", "message", "recommendation"],
+            [
+                f"<tr>{_status_td(i.severity)}<td>{_e(i.layer or 'run')}</td>"
+                f"<td>{'' if i.step is None else i.step}</td><td>{_e(i.message)}</td>"
+                f"<td>{_e(i.recommendation)}</td></tr>"
+                for i in c.issues
+            ],
+        ) if c.issues else ""  # fmt: skip
+        details.append(
+            f"<details><summary>{_e(c.name)}: {len(c.values)} values, "
+            f"{len(c.issues)} issues</summary><div class='body'>{vals}{iss}</div></details>"
+        )
+    return _table(
+        ["check", "kind", "status", "value", "values", "issues / error", "about"], rows
+    ) + "".join(details)
+
+
+def _layer_details(
+    h: HealthReport,
+    tr: HealthTrend | None,
+    a: AnomalyReport,
+    pc: ParameterChange | None,
+    checks: list[CheckResult],
+) -> str:
+    """A collapsible ``<details>`` per layer (forward order): its measures, issues with
+    recommendations and evidence, status per window, anomalies, checks' values and
+    issues, and its change per snapshot pair."""
+    trend = {lt.layer: lt for lt in tr.layers} if tr is not None and len(tr.windows) >= 2 else {}
+    by_layer: dict[str, list] = {}
+    for x in a.anomalies:
+        where = x.layer or (layer_of(x.tensor) if x.tensor else None)
+        if where is not None:
+            by_layer.setdefault(where, []).append(x)
+    out = []
+    for lh in h.layers:
+        parts = [_layer_measures(lh)]
+        if lh.issues:
+            parts.append(
+                "<ul>"
+                + "".join(
+                    f'<li class="{i.severity.value}">{_e(i.type.value)}: {_e(i.message)} — '
+                    f'<span class="muted">{_e(i.recommendation)}</span>'
+                    + (f"<br><code>{_e(_evidence(i.evidence))}</code>" if i.evidence else "")
+                    + "</li>"
+                    for i in lh.issues
+                )
+                + "</ul>"
+            )
+        lt = trend.get(lh.layer)
+        if lt is not None and tr is not None:
+            marks = "".join(
+                f'<span class="{st.value}" title="steps {w.first_step}..{w.last_step}: '
+                f'{st.value}">{_MARK[st.value]}</span>'
+                for w, st in zip(tr.windows, lt.status, strict=True)
+            )
+            parts.append(f"<p>Status per window of {tr.window} steps: {marks}</p>")
+        an = by_layer.get(lh.layer, [])
+        if an:
+            parts.append(
+                f"<p>Anomalies ({len(an)}):</p>"
+                + _table(
+                    ["step", "type", "severity", "tensor", "message"],
+                    [
+                        f"<tr><td>{x.step}</td><td>{_e(x.type)}</td>{_status_td(x.severity.value)}"
+                        f"<td>{_e(x.tensor or '')}</td><td>{_e(x.message)}</td></tr>"
+                        for x in an[:20]
+                    ],
+                )
+            )
+        mine = [
+            (c, c.values.get(lh.layer), [i for i in c.issues if i.layer == lh.layer])
+            for c in checks
+        ]
+        mine = [(c, v, iss) for c, v, iss in mine if v is not None or iss]
+        if mine:
+            parts.append(
+                "<p>Checks: "
+                + "; ".join(
+                    f"{_e(c.name)}"
+                    + (f" = {_fmt(v)}" if v is not None else "")
+                    + "".join(f" — <span class='{i.severity}'>{_e(i.message)}</span>" for i in iss)
+                    for c, v, iss in mine
+                )
+                + "</p>"
+            )
+        ch = [
+            (p, p.per_layer[lh.layer]) for p in (pc.pairs if pc else []) if lh.layer in p.per_layer
+        ]
+        if ch:
+            parts.append(
+                "<p>Change between snapshots:</p>"
+                + _table(
+                    ["steps", "‖Δ‖₂", "relative", "max |Δ|", "mean Δ", "std Δ"],
+                    [
+                        f'<tr><td data-sort="{p.step_old}">{p.step_old}→{p.step_new}</td>'
+                        f"<td>{_fmt(c.l2)}</td><td>{_fmt(c.relative)}</td><td>{_fmt(c.max)}</td>"
+                        f"<td>{_fmt(c.mean)}</td><td>{_fmt(c.std)}</td></tr>"
+                        for p, c in ch
+                    ],
+                )
+            )
+        st = lh.status.value
+        out.append(
+            f"<details><summary><span class='{st}'>{_MARK[st]} {_e(st)}</span> "
+            f"<b>{_e(lh.layer)}</b> — score {lh.score:.0f}"
+            + (f", {_e(', '.join(i.type.value for i in lh.issues))}" if lh.issues else "")
+            + (" (frozen)" if lh.frozen else "")
+            + f"</summary><div class='body'>{''.join(parts)}</div></details>"
+        )
+    return "".join(out) or "<p>No layers.</p>"
+
+
+def _evidence(ev: dict) -> str:
+    return ", ".join(f"{k}={_fmt(v) if isinstance(v, float) else v}" for k, v in ev.items())
+
+
+def _layer_measures(lh: LayerHealth) -> str:
+    rows = [
+        ("grad norm (median)", lh.grad_norm), ("grad norm std/mean", lh.grad_norm_cv),
+        ("grad/param", lh.rel_grad), ("update/param", lh.update_ratio),
+        ("grad growth (last/first quarter)", lh.grad_growth),
+        ("activation zero fraction", lh.act_zero_frac),
+    ]  # fmt: skip
+    if lh.lora is not None:
+        rows += [
+            (f"LoRA {lh.lora.part} effective grad/param", lh.lora.rel_grad),
+            (f"LoRA {lh.lora.part} effective update ratio", lh.lora.update_ratio),
+        ]
+    cells = "".join(
+        f"<tr><th>{_e(k)}</th><td>{_fmt(v)}</td></tr>" for k, v in rows if v is not None
+    )
+    return f"<table>{cells}</table>" if cells else "<p class='muted'>Nothing measured.</p>"
 
 
 TREND_WINDOWS = 10
@@ -257,7 +533,8 @@ def _trend_html(tr: HealthTrend) -> str:
     )
     return (
         f"<h3>Health over time (windows of {tr.window} steps; columns: first step)</h3>"
-        f"<table><tr><th>layer</th>{head}</tr>" + "".join(rows) + "</table>"
+        f"<table><thead><tr><th>layer</th>{head}</tr></thead><tbody>" + "".join(rows)
+        + "</tbody></table>"
         + (f"<p>Status changes:</p><ul>{changes}</ul>" if changes else
            "<p>No layer changed status.</p>")
         + (f"<ul>{issues}</ul>" if issues else "")
@@ -267,12 +544,12 @@ def _trend_html(tr: HealthTrend) -> str:
 def _anomalies_html(a: AnomalyReport, limit: int = 100) -> str:
     if not a.anomalies:
         return "<p>No anomalies.</p>"
-    rows = "".join(
-        f'<tr><td>{x.step}</td><td>{_e(x.type)}</td><td class="{x.severity.value}">{x.severity.value}</td>'
+    rows = [
+        f"<tr><td>{x.step}</td><td>{_e(x.type)}</td>{_status_td(x.severity.value)}"
         f"<td>{_e(x.kind.value if x.kind else '')}</td><td>{_e(x.tensor or x.layer or '')}</td>"
         f"<td>{_e(x.message)}</td></tr>"
         for x in a.anomalies[:limit]
-    )
+    ]
     first = ""
     if a.first_nonfinite is not None:
         f = a.first_nonfinite
@@ -285,37 +562,30 @@ def _anomalies_html(a: AnomalyReport, limit: int = 100) -> str:
         if len(a.anomalies) > limit
         else ""
     )
-    return (
-        first
-        + "<table><tr><th>step</th><th>type</th><th>severity</th><th>kind</th><th>tensor/layer</th>"
-        "<th>message</th></tr>" + rows + "</table>" + more
-    )
+    head = ["step", "type", "severity", "kind", "tensor/layer", "message"]
+    return first + _table(head, rows) + more
 
 
-def _change_html(run: Run, cache: StatsCache) -> tuple[str, str | None]:
+def _change_html(run: Run, cache: StatsCache) -> tuple[str, str | None, ParameterChange]:
     import matplotlib.pyplot as plt
 
     pc = parameter_change(run, max_pairs=20, progress=cache.tracker.child(), cache=cache)
     parts = []
     if pc.pairs:
         thr = [f"{t:g}" for t in pc.thresholds]
-        rows = "".join(
-            f"<tr><td>{p.step_old}→{p.step_new}</td><td>{_fmt(p.total.l2)}</td><td>{_fmt(p.total.relative)}</td>"
-            f"<td>{_fmt(p.total.max)}</td>"
+        rows = [
+            f'<tr><td data-sort="{p.step_old}">{p.step_old}→{p.step_new}</td>'
+            f"<td>{_fmt(p.total.l2)}</td><td>{_fmt(p.total.relative)}</td>"
+            f"<td>{_fmt(p.total.max)}</td><td>{_fmt(p.total.mean)}</td><td>{_fmt(p.total.std)}</td>"
             + "".join(f"<td>{p.total.sparsity[t]:.3f}</td>" for t in thr)
             + "<td>"
             + _e(", ".join(f"{k}: {_fmt(v.relative)}" for k, v in p.per_component.items()))
             + "</td></tr>"
             for p in pc.pairs
-        )
-        parts.append(
-            "<p>From full snapshots (Δ = θ_new − θ_old):</p><table><tr><th>steps</th><th>‖Δ‖₂</th>"
-            "<th>relative</th><th>max |Δ|</th>"
-            + "".join(f"<th>sparsity ≤{_e(t)}</th>" for t in thr)
-            + "<th>relative by component</th></tr>"
-            + rows
-            + "</table>"
-        )
+        ]
+        head = ["steps", "‖Δ‖₂", "relative", "max |Δ|", "mean Δ", "std Δ",
+                *(f"sparsity ≤{t}" for t in thr), "relative by component"]  # fmt: skip
+        parts.append("<p>From full snapshots (Δ = θ_new − θ_old):</p>" + _table(head, rows))
     if pc.lora is not None and pc.lora.per_layer:
         parts.append(_lora_html(pc.lora))
     steps, layers, r = change_from_stats(run, cache)
@@ -332,7 +602,7 @@ def _change_html(run: Run, cache: StatsCache) -> tuple[str, str | None]:
         fig_src = _png(fig)
     if not parts:
         parts.append("<p class='muted'>No param snapshots: change shown from stats only.</p>")
-    return "".join(parts), fig_src
+    return "".join(parts), fig_src, pc
 
 
 LORA_ROWS = 40
@@ -347,23 +617,32 @@ def _lora_html(d: LoraDelta) -> str:
              " The run does not record PEFT's scale s (lora_alpha / r): values are up to s "
              "(record it with <code>Recorder(user={'lora_alpha': …})</code>).")  # fmt: skip
     layers = sorted(d.per_layer.items(), key=lambda kv: -(kv[1].norm or kv[1].norm_bound or 0))
-    rows = "".join(
+    rows = [
         f"<tr><td>{_e(k)}</td><td>{_e(x.component)}</td><td>{x.rank}</td><td>{_fmt(x.scale)}</td>"
         f"<td>{_fmt(x.norm)}</td><td>{_fmt(x.relative)}</td><td>{_fmt(x.effective_rank)}</td>"
         f"<td>{_fmt(x.energy[0] if x.energy else None)}</td><td>{_fmt(x.norm_bound)}</td></tr>"
         for k, x in layers[:LORA_ROWS]
-    )
+    ]
     more = (f"<p class='muted'>{len(layers) - LORA_ROWS} more adapters not shown</p>"
             if len(layers) > LORA_ROWS else "")  # fmt: skip
     comp = _e(", ".join(f"{k}: {_fmt(v.norm if v.norm is not None else v.norm_bound)}"
                         for k, v in d.per_component.items()))  # fmt: skip
     return (
         f"<p>LoRA effective update ΔW = s·A·B per adapted layer, {_e(where)}.{scale}</p>"
-        "<table><tr><th>layer</th><th>component</th><th>r</th><th>s</th><th>‖ΔW‖_F</th>"
-        "<th>‖ΔW‖/‖W_base‖</th><th>effective rank</th><th>σ₁² share</th>"
-        "<th>bound s·‖A‖·‖B‖</th></tr>"
-        + rows
-        + "</table>"
+        + _table(
+            [
+                "layer",
+                "component",
+                "r",
+                "s",
+                "‖ΔW‖_F",
+                "‖ΔW‖/‖W_base‖",
+                "effective rank",
+                "σ₁² share",
+                "bound s·‖A‖·‖B‖",
+            ],
+            rows,
+        )
         + more
         + f"<p>‖ΔW‖ by component (root-sum-square): {comp}</p>"
     )
@@ -425,6 +704,7 @@ def render_report(run: Run, *, progress: ProgressCallback | None = None) -> str:
     mf = _metrics_fig(run)
     tracker.advance()
     body.append("<h2>Metrics</h2>" + (_img(mf, "metric curves") if mf else "<p>No metrics.</p>"))
+    system_at = len(body)  # the system section goes here once anomalies are known
     body.append("<h2>Gradient norm by layer</h2>")
     if Kind.GRAD in run.kinds() and run.rows:
         s, layers, g = layer_norms(run, Kind.GRAD, cache)
@@ -449,22 +729,187 @@ def render_report(run: Run, *, progress: ProgressCallback | None = None) -> str:
         "<h2>Weight distributions over steps</h2>"
         + (_img(wf, "weights") if wf else "<p>No params.</p>")
     )
-    body.append(
-        "<h2>Health</h2>"
-        + _health_html(health(run, cache=cache))
-        + _trend_html(health_trend(run, window, cache=cache))
+    h = health(run, cache=cache)
+    tr = health_trend(run, window, cache=cache)
+    body.append("<h2>Health</h2>" + _health_html(h) + _trend_html(tr))
+    body.append("<h2>Checks</h2>" + _checks_html(h.checks))
+    an = anomalies(run, cache=cache)
+    body.append("<h2>Anomalies</h2>" + _anomalies_html(an))
+    sf = _system_fig(run, an)
+    body.insert(
+        system_at,
+        "<h2>System</h2>"
+        + (
+            _img(sf, "system metrics") + "<p class='muted'>Dashed lines: memory spikes "
+            "(anomalies).</p>"
+            if sf
+            else "<p>No system metrics recorded.</p>"
+        ),
     )
-    body.append("<h2>Anomalies</h2>" + _anomalies_html(anomalies(run, cache=cache)))
-    ch, chf = _change_html(run, cache)
+    ch, chf, pc = _change_html(run, cache)
     tracker.advance()
     body.append("<h2>Parameter change</h2>" + ch + (_img(chf, "parameter change") if chf else ""))
+    body.append(
+        "<h2>Layers</h2><p class='muted'>Each layer's detail (click to open).</p>"
+        + _layer_details(h, tr, an, pc, h.checks)
+    )
     tracker.finish()
     return (
         "<!DOCTYPE html><html><head><meta charset='utf-8'>"
         f"<title>traintape report {_e(m.run_id)}</title><style>{_CSS}</style></head><body>"
         + "\n".join(body)
-        + "</body></html>\n"
+        + f"<script>{_SORT_JS}</script></body></html>\n"
     )
+
+
+# ------------------------------------------------------------------------- Markdown
+
+MD_LAYERS = 40
+"""Most layers the Markdown health table lists (those with issues first)."""
+MD_ANOMALIES = 15
+"""Most anomalies the Markdown summary lists (errors and warnings first)."""
+MD_TOP = 10
+"""Layers in the Markdown's largest-change table."""
+
+_MD_SPECIAL = str.maketrans({c: "\\" + c for c in "\\`*_[]<>|#~"} | {"\n": " ", "\r": " "})
+
+
+def _md(x: object) -> str:
+    """Free text from a store, inert in Markdown: its special characters escaped (HTML
+    too: ``<`` ``>``), line breaks made spaces — safe in a table cell."""
+    return str(x).translate(_MD_SPECIAL)
+
+
+def _md_table(head: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    return out + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def _md_health(h: HealthReport) -> list[str]:
+    sev = {"critical": 0, "warning": 1, "healthy": 2}
+    layers = sorted(h.layers, key=lambda lh: (sev[lh.status.value], lh.depth))
+    shown = layers[:MD_LAYERS]
+    lines = [f"**{h.status.value}**, score {h.score:.0f}/100, {len(h.layers)} layers "
+             f"over {h.steps} steps", ""]  # fmt: skip
+    if shown:
+        lines += _md_table(
+            ["layer", "status", "score", "grad norm", "grad/param", "update/param", "issues"],
+            [[_md(lh.layer), lh.status.value, f"{lh.score:.0f}", _fmt(lh.grad_norm),
+              _fmt(lh.rel_grad), _fmt(lh.update_ratio),
+              _md(", ".join(i.type.value for i in lh.issues))] for lh in shown],
+        )  # fmt: skip
+    if len(layers) > len(shown):
+        lines += ["", f"… {len(layers) - len(shown)} more layers, all healthy, not shown."]
+    issues = h.issues()
+    if issues:
+        lines += ["", "Issues:", ""]
+        lines += [
+            f"- **{i.severity.value}** {i.type.value} ({_md(i.layer or 'run')}): "
+            f"{_md(i.message)} — {_md(i.recommendation)}"
+            for i in issues[:MD_LAYERS]
+        ]
+        if len(issues) > MD_LAYERS:
+            lines.append(f"- … {len(issues) - MD_LAYERS} more")
+    return lines
+
+
+def _md_checks(results: list[CheckResult]) -> list[str]:
+    rows = []
+    for c in results:
+        what = c.error if c.error is not None else "; ".join(
+            f"{i.severity}: {i.message}" + (f" ({i.layer})" if i.layer else "") for i in c.issues
+        )  # fmt: skip
+        rows.append([_md(c.name), c.kind, c.status, _fmt(c.value),
+                     _md(_values_text(c.values, 4)), _md(what)])  # fmt: skip
+    return _md_table(["check", "kind", "status", "value", "values", "issues / error"], rows)
+
+
+def _md_anomalies(a: AnomalyReport) -> list[str]:
+    lines = [f"Summary: {_md(a.summary())}"]
+    if not a.anomalies:
+        return lines
+    order = {"error": 0, "warning": 1, "info": 2}
+    pick = sorted(a.anomalies, key=lambda x: (order[x.severity.value], x.step))[:MD_ANOMALIES]
+    pick.sort(key=lambda x: x.step)
+    lines.append("")
+    lines += _md_table(
+        ["step", "type", "severity", "where", "message"],
+        [[str(x.step), _md(x.type), x.severity.value,
+          _md(" ".join(v for v in (x.kind.value if x.kind else "", x.tensor or x.layer or "") if v)),
+          _md(x.message)] for x in pick],
+    )  # fmt: skip
+    if len(a.anomalies) > len(pick):
+        lines += ["", f"… {len(a.anomalies) - len(pick)} more (`traintape anomalies RUN`)."]
+    return lines
+
+
+def _md_change(run: Run, h: HealthReport, pc: ParameterChange | None) -> list[str]:
+    """The layers that changed most: from the first to the last param snapshot, else
+    (stats only) by median update/param ratio."""
+    if pc is not None and pc.pairs:
+        p = pc.pairs[0]
+        top = sorted(p.per_layer.items(), key=lambda kv: -(kv[1].relative or 0))[:MD_TOP]
+        lines = [f"From param snapshots, Δ = θ(step {p.step_new}) − θ(step {p.step_old}); "
+                 f"in total ‖Δ‖₂ {_fmt(p.total.l2)}, relative {_fmt(p.total.relative)}.", ""]  # fmt: skip
+        return lines + _md_table(
+            ["layer", "‖Δ‖₂", "‖Δ‖/‖θ‖", "max abs Δ", "mean Δ", "std Δ"],
+            [[_md(k), _fmt(c.l2), _fmt(c.relative), _fmt(c.max), _fmt(c.mean), _fmt(c.std)]
+             for k, c in top],
+        )  # fmt: skip
+    ranked = sorted((lh for lh in h.layers if lh.update_ratio is not None),
+                    key=lambda lh: -(lh.update_ratio or 0))[:MD_TOP]  # fmt: skip
+    if not ranked:
+        return ["No param snapshots and no update/param ratios recorded."]
+    return [
+        "No param snapshots: the layers with the largest median update/param ratio per step.",
+        "",
+        *_md_table(["layer", "update/param"],
+                   [[_md(lh.layer), _fmt(lh.update_ratio)] for lh in ranked]),
+    ]  # fmt: skip
+
+
+def render_markdown(run: Run, *, progress: ProgressCallback | None = None) -> str:
+    """A Markdown summary of ``run`` to paste into an issue tracker: run info, the health
+    table (layers with issues first, at most :data:`MD_LAYERS`) and issues, the
+    registered checks, an anomalies summary (at most :data:`MD_ANOMALIES`) and the
+    :data:`MD_TOP` layers that changed most (first to last param snapshot; without
+    snapshots, by update/param ratio). Text from the store is escaped.
+
+    ``progress(stage, done, total)``: a unit is one row block of a stats array read, one
+    analysis, one tensor of the snapshot pair."""
+    tracker = Tracker(progress)
+    cache = StatsCache(run, tracker)
+    want_health(run, cache)
+    want_anomalies(run, cache)
+    tracker.add(cache.pending_blocks())
+    cache.load()
+    m, p = run.manifest, run.manifest.producer
+    steps = run.steps
+    span = f"{int(steps[0])}..{int(steps[-1])}" if len(steps) else "none"
+    h = health(run, cache=cache)
+    a = anomalies(run, cache=cache)
+    snaps = param_snapshot_steps(run)
+    pc = None
+    if len(snaps) >= 2:
+        pc = parameter_change(run, steps=(snaps[0], snaps[-1]), cache=cache,
+                              progress=tracker.child())  # fmt: skip
+    info = [
+        ("store", run.url), ("run id", m.run_id), ("status", m.status),
+        ("producer", f"{p.framework or 'numpy'} {p.framework_version or ''} "
+                     f"({p.adapter or 'Recorder'})"),
+        ("steps", f"{run.rows} rows, steps {span}"),
+        ("tensors", ", ".join(f"{k.value}: {len(run.tensor_names(k))}" for k in run.kinds())),
+        ("metrics", ", ".join(m.metrics) or "none"), ("events", str(len(m.events))),
+    ]  # fmt: skip
+    lines = [f"## traintape report: {_md(m.run_id)}", ""]
+    lines += _md_table(["", ""], [[k, _md(v)] for k, v in info])
+    lines += ["", "### Health", "", *_md_health(h)]
+    if h.checks:
+        lines += ["", "### Checks", "", *_md_checks(h.checks)]
+    lines += ["", "### Anomalies", "", *_md_anomalies(a)]
+    lines += ["", "### Largest parameter changes", "", *_md_change(run, h, pc)]
+    tracker.finish()
+    return "\n".join(lines) + "\n"
 
 
 def write_report(run: Run, out: str, *, progress: ProgressCallback | None = None) -> str:
