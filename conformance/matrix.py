@@ -23,11 +23,11 @@ from typing import Any
 import numpy as np
 
 from conformance import spec as S
-from conformance.worker import FRAMEWORKS, store_path
+from conformance.worker import FRAMEWORKS, store_path, written_in
 
 DTYPES = ("float32", "float64")
 ADAM_CONFIGS = ("float32+adam", "float64+adam")
-ADAM_FRAMEWORKS = ("torch", "tf", "jax-linen", "jax-nnx")
+ADAM_FRAMEWORKS = ("torch", "tf", "jax-linen", "jax-nnx", "equinox")
 """Adam runs in every framework: torch ``Adam`` ⇔ ``optax.adam`` ⇔ Keras ``Adam`` with
 ε_K(t) = ε·√(1−β₂ᵗ) (Keras adds ε to the uncorrected √v; README). The Adam cells also
 compare ``opt_state`` (``<param>/mu``, ``<param>/nu``)."""
@@ -206,6 +206,7 @@ def compare_all(
         for m in models:
             for fa, fb in itertools.combinations(frameworks, 2):
                 bad = [failures[(f, d)] for f in (fa, fb) if (f, d) in failures]
+                bad += [f"{m} is not written in {f}" for f in (fa, fb) if m not in written_in(f)]
                 if bad:
                     cells.append(Cell(d, m, fa, fb, identical=False, initial_exact=False,
                                       problems=bad))  # fmt: skip

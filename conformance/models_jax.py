@@ -35,21 +35,41 @@ def _jax(dtype: str) -> Any:
 
 
 # ----------------------------------------------------------------------------- math
-def attention(q: Any, k: Any, v: Any, heads: int) -> Any:
-    """Scaled dot-product attention over (B, T, D) projections; head h = features
-    h*dh:(h+1)*dh (torch ``in_proj`` row blocks, Keras row-major reshape)."""
+def attention(q: Any, k: Any, v: Any, heads: int, causal: bool = False) -> Any:
+    """Scaled dot-product attention over (B, T, D) projections (or one example's (T, D));
+    head h = features h*dh:(h+1)*dh (torch ``in_proj`` row blocks, Keras row-major
+    reshape). ``causal`` (the ``llm`` block): rotary embeddings on q and k
+    (``spec.rope_tables``) and position i attends to j <= i (masked logits -inf)."""
     import jax
     import jax.numpy as jnp
 
-    b, t, d = q.shape
+    *b, t, d = q.shape
     dh = d // heads
 
     def split(x: Any) -> Any:
-        return x.reshape(b, t, heads, dh)
+        return x.reshape(*b, t, heads, dh)
 
-    logits = jnp.einsum("bqhd,bkhd->bhqk", split(q) / jnp.sqrt(dh).astype(q.dtype), split(k))
+    qs, ks = split(q), split(k)
+    if causal:  # the llm block: rotary q and k (Llama's rotate_half convention)
+        cos, sin = (jnp.asarray(a)[:, None, :] for a in S.rope_tables(q.dtype.name))
+        h = dh // 2
+
+        def rope(x: Any) -> Any:
+            return x * cos + jnp.concatenate([-x[..., h:], x[..., :h]], axis=-1) * sin
+
+        qs, ks = rope(qs), rope(ks)
+    logits = jnp.einsum("...qhd,...khd->...hqk", qs / jnp.sqrt(dh).astype(q.dtype), ks)
+    if causal:
+        logits = jnp.where(jnp.tril(jnp.ones((t, t), bool)), logits, -jnp.inf)
     w = jax.nn.softmax(logits, axis=-1)
-    return jnp.einsum("bhqk,bkhd->bqhd", w, split(v)).reshape(b, t, d)
+    return jnp.einsum("...hqk,...khd->...qhd", w, split(v)).reshape(*b, t, d)
+
+
+def swiglu(g: Any, u: Any) -> Any:
+    """silu(g) * u, silu written out as g * sigmoid(g) (as in every framework)."""
+    import jax
+
+    return g * jax.nn.sigmoid(g) * u
 
 
 def gelu(x: Any) -> Any:
@@ -82,6 +102,12 @@ def gru_scan(x: Any, k_ih: Any, k_hh: Any, b_ih: Any, b_hh: Any) -> Any:
 # ----------------------------------------------------------------------------- Linen
 LAYER_KINDS = {"attn": "attention", "gru": "gru"}
 """The custom modules' layer kinds (torch/Keras know theirs from built-in classes)."""
+
+
+def layer_kinds(model_name: str) -> dict[str, str]:
+    """:data:`LAYER_KINDS` for ``model_name``; none for ``llm``, whose attention is written
+    out in every framework (torch/Keras record its q/k/v/o projections as dense layers)."""
+    return {} if model_name == "llm" else LAYER_KINDS
 
 
 def linen_model(model_name: str, dtype: str) -> Any:
@@ -140,7 +166,31 @@ def linen_model(model_name: str, dtype: str) -> Any:
         def __call__(self, x: Any, train: bool = True) -> Any:
             return dense(S.GRU_OUT, "head")(GRU(name="gru")(x)[:, -1])
 
-    return {"mlp": MLP, "cnn": CNN, "transformer": Transformer, "gru": GRUModel}[model_name]()
+    class CausalSelfAttention(nn.Module):
+        @nn.compact
+        def __call__(self, x: Any) -> Any:
+            q, k, v = (dense(S.LLM_D, p, bias=False)(x) for p in "qkv")
+            return dense(S.LLM_D, "o", bias=False)(attention(q, k, v, S.LLM_HEADS, causal=True))
+
+    class SwiGLU(nn.Module):
+        @nn.compact
+        def __call__(self, x: Any) -> Any:
+            g = dense(S.LLM_FF, "gate", bias=False)(x)
+            u = dense(S.LLM_FF, "up", bias=False)(x)
+            return dense(S.LLM_D, "down", bias=False)(swiglu(g, u))
+
+    class LLMBlock(nn.Module):
+        @nn.compact
+        def __call__(self, tokens: Any, train: bool = True) -> Any:
+            rms = dict(epsilon=S.RMS_EPS, dtype=dt, param_dtype=dt)
+            x = nn.Embed(S.LLM_VOCAB, S.LLM_D, dtype=dt, param_dtype=dt, name="embed")(tokens)
+            x = x + CausalSelfAttention(name="attn")(nn.RMSNorm(name="attn_norm", **rms)(x))
+            x = x + SwiGLU(name="mlp")(nn.RMSNorm(name="mlp_norm", **rms)(x))
+            return dense(S.LLM_VOCAB, "lm_head", bias=False)(nn.RMSNorm(name="norm", **rms)(x))
+
+    builders = {"mlp": MLP, "cnn": CNN, "transformer": Transformer, "gru": GRUModel,
+                "llm": LLMBlock}  # fmt: skip
+    return builders[model_name]()
 
 
 def linen_variables(weights: dict[str, Any]) -> dict[str, Any]:
@@ -197,7 +247,8 @@ def train_linen(
             out, upd = model.apply({"params": p, "batch_stats": st}, xb, mutable=["batch_stats"])
             return _mse(out, yb), upd["batch_stats"]
 
-        vg = ttj.value_and_grad(loss_fn, has_aux=True, recorder=rec, layer_kinds=LAYER_KINDS)
+        vg = ttj.value_and_grad(loss_fn, has_aux=True, recorder=rec,
+                                layer_kinds=layer_kinds(model_name))  # fmt: skip
 
         @jax.jit
         def step(p: Any, st: Any, o: Any, xb: Any, yb: Any) -> Any:
@@ -328,7 +379,47 @@ def nnx_model(model_name: str, dtype: str) -> Any:
         def __call__(self, x: Any) -> Any:
             return self.head(self.gru(x)[:, -1])
 
-    builders = {"mlp": MLP, "cnn": CNN, "transformer": Transformer, "gru": GRUModel}
+    def rms_norm() -> Any:
+        return nnx.RMSNorm(S.LLM_D, epsilon=S.RMS_EPS, dtype=dt, param_dtype=dt, rngs=rngs)
+
+    class CausalSelfAttention(nnx.Module):
+        def __init__(self) -> None:
+            d = S.LLM_D
+            self.q = linear(d, d, bias=False)
+            self.k = linear(d, d, bias=False)
+            self.v = linear(d, d, bias=False)
+            self.o = linear(d, d, bias=False)
+
+        def __call__(self, x: Any) -> Any:
+            return self.o(attention(self.q(x), self.k(x), self.v(x), S.LLM_HEADS, causal=True))
+
+    class SwiGLU(nnx.Module):
+        def __init__(self) -> None:
+            self.gate = linear(S.LLM_D, S.LLM_FF, bias=False)
+            self.up = linear(S.LLM_D, S.LLM_FF, bias=False)
+            self.down = linear(S.LLM_FF, S.LLM_D, bias=False)
+
+        def __call__(self, x: Any) -> Any:
+            return self.down(swiglu(self.gate(x), self.up(x)))
+
+    class LLMBlock(nnx.Module):
+        def __init__(self) -> None:
+            self.embed = nnx.Embed(S.LLM_VOCAB, S.LLM_D, dtype=dt, param_dtype=dt, rngs=rngs)
+            self.attn_norm = rms_norm()
+            self.attn = CausalSelfAttention()
+            self.mlp_norm = rms_norm()
+            self.mlp = SwiGLU()
+            self.norm = rms_norm()
+            self.lm_head = linear(S.LLM_D, S.LLM_VOCAB, bias=False)
+
+        def __call__(self, tokens: Any) -> Any:
+            x = self.embed(tokens)
+            x = x + self.attn(self.attn_norm(x))
+            x = x + self.mlp(self.mlp_norm(x))
+            return self.lm_head(self.norm(x))
+
+    builders = {"mlp": MLP, "cnn": CNN, "transformer": Transformer, "gru": GRUModel,
+                "llm": LLMBlock}  # fmt: skip
     return builders[model_name]()
 
 
@@ -364,7 +455,7 @@ def train_nnx(
         opt = nnx.Optimizer(model, ttj.watch(_tx(optimizer), rec),
                             wrt=nnx.Param)  # fmt: skip
         vg = ttj.nnx_value_and_grad(lambda m, xb, yb: _mse(m(xb), yb), recorder=rec,
-                                    layer_kinds=LAYER_KINDS)  # fmt: skip
+                                    layer_kinds=layer_kinds(model_name))  # fmt: skip
 
         @nnx.jit
         def step(m: Any, o: Any, xb: Any, yb: Any) -> None:

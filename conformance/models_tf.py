@@ -72,9 +72,70 @@ def build(model_name: str, dtype: str = "float32") -> Any:
         seq = L.GRU(S.GRU_H, return_sequences=True, reset_after=True, name="gru")(x)
         last = L.Lambda(lambda s: s[:, -1], name="last")(seq)
         out = L.Dense(S.GRU_OUT, name="head")(last)
+    elif model_name == "llm":
+        x = keras.Input((S.LLM_T,), dtype="int32")
+        e = L.Embedding(S.LLM_VOCAB, S.LLM_D, name="embed")(x)
+        h = L.RMSNormalization(epsilon=S.RMS_EPS, name="attn_norm")(e)
+        r = L.Add(name="res1")([e, _llm_layers(keras, "attn")(h)])
+        h = L.RMSNormalization(epsilon=S.RMS_EPS, name="mlp_norm")(r)
+        r = L.Add(name="res2")([r, _llm_layers(keras, "mlp")(h)])
+        h = L.RMSNormalization(epsilon=S.RMS_EPS, name="norm")(r)
+        out = L.Dense(S.LLM_VOCAB, use_bias=False, name="lm_head")(h)
     else:
         raise KeyError(model_name)
     return keras.Model(x, out, name=model_name)
+
+
+def _llm_layers(keras: Any, which: str) -> Any:
+    """The ``llm`` block's causal self-attention (separate bias-free q/k/v/o ``Dense``
+    sub-layers: ``attn/q/kernel``...; rotary q and k) or SwiGLU MLP (``mlp/gate``, ``mlp/up``,
+    ``mlp/down``), written out with ``keras.ops`` like the other frameworks."""
+    ops, L = keras.ops, keras.layers
+
+    def dense(n: int, name: str) -> Any:
+        return L.Dense(n, use_bias=False, name=name)
+
+    class CausalSelfAttention(keras.layers.Layer):
+        def __init__(self, **kw: Any) -> None:
+            super().__init__(**kw)
+            self.q, self.k, self.v, self.o = (dense(S.LLM_D, p) for p in "qkvo")
+
+        def call(self, x: Any) -> Any:
+            t, heads = S.LLM_T, S.LLM_HEADS
+            dh = S.LLM_D // heads
+
+            def split(y: Any) -> Any:
+                return ops.reshape(y, (-1, t, heads, dh))
+
+            cos, sin = (
+                ops.convert_to_tensor(a[:, None, :])
+                for a in S.rope_tables(keras.backend.standardize_dtype(x.dtype))
+            )
+            half = dh // 2
+
+            def rope(y: Any) -> Any:  # Llama's rotate_half convention
+                return y * cos + ops.concatenate([-y[..., half:], y[..., :half]], axis=-1) * sin
+
+            q = rope(split(self.q(x))) / ops.cast(ops.sqrt(float(dh)), x.dtype)
+            logits = ops.einsum("bqhd,bkhd->bhqk", q, rope(split(self.k(x))))
+            mask = ops.tril(ops.ones((t, t), dtype="bool"))
+            logits = ops.where(mask, logits, ops.cast(float("-inf"), logits.dtype))
+            w = ops.softmax(logits, axis=-1)
+            a = ops.reshape(ops.einsum("bhqk,bkhd->bqhd", w, split(self.v(x))), (-1, t, S.LLM_D))
+            return self.o(a)
+
+    class SwiGLU(keras.layers.Layer):
+        def __init__(self, **kw: Any) -> None:
+            super().__init__(**kw)
+            self.gate = dense(S.LLM_FF, "gate")
+            self.up = dense(S.LLM_FF, "up")
+            self.down = dense(S.LLM_D, "down")
+
+        def call(self, x: Any) -> Any:
+            g = self.gate(x)
+            return self.down(g * ops.sigmoid(g) * self.up(x))
+
+    return {"attn": CausalSelfAttention, "mlp": SwiGLU}[which](name=which)
 
 
 def _adam(keras: Any) -> Any:

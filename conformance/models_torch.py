@@ -5,6 +5,7 @@ Inputs arrive channels-last (canonical); the CNN permutes to NCHW itself.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -96,7 +97,74 @@ class GRUModel(nn.Module):
         return self.head(seq[:, -1])
 
 
-BUILDERS = {"mlp": MLP, "cnn": CNN, "transformer": Transformer, "gru": GRUModel}
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
+    """Causal scaled dot-product attention over (B, T, D) projections with rotary
+    embeddings on q and k (``spec.rope_tables``), written out (head h = features
+    h*dh:(h+1)*dh; masked logits -inf)."""
+    b, t, d = q.shape
+    dh = d // heads
+
+    def split(x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(b, t, heads, dh)
+
+    cos, sin = (torch.from_numpy(a)[:, None, :] for a in S.rope_tables(str(q.dtype)[6:]))
+
+    def rope(x: torch.Tensor) -> torch.Tensor:  # Llama's rotate_half convention
+        h = dh // 2
+        return x * cos + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin
+
+    logits = torch.einsum("bqhd,bkhd->bhqk", rope(split(q)) / math.sqrt(dh), rope(split(k)))
+    mask = torch.ones(t, t, dtype=torch.bool).tril()
+    w = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.einsum("bhqk,bkhd->bqhd", w, split(v)).reshape(b, t, d)
+
+
+class CausalSelfAttention(nn.Module):
+    """Llama-style attention: separate bias-free q/k/v/o projections, rotary q and k."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        d = S.LLM_D
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o(causal_attention(self.q(x), self.k(x), self.v(x), S.LLM_HEADS))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(S.LLM_D, S.LLM_FF, bias=False)
+        self.up = nn.Linear(S.LLM_D, S.LLM_FF, bias=False)
+        self.down = nn.Linear(S.LLM_FF, S.LLM_D, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = self.gate(x)
+        return self.down(g * torch.sigmoid(g) * self.up(x))
+
+
+class LLMBlock(nn.Module):
+    """The ``llm`` model: one pre-norm decoder block between an embedding and lm_head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(S.LLM_VOCAB, S.LLM_D)
+        self.attn_norm = nn.RMSNorm(S.LLM_D, eps=S.RMS_EPS)
+        self.attn = CausalSelfAttention()
+        self.mlp_norm = nn.RMSNorm(S.LLM_D, eps=S.RMS_EPS)
+        self.mlp = SwiGLU()
+        self.norm = nn.RMSNorm(S.LLM_D, eps=S.RMS_EPS)
+        self.lm_head = nn.Linear(S.LLM_D, S.LLM_VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens.long())
+        x = x + self.attn(self.attn_norm(x))
+        x = x + self.mlp(self.mlp_norm(x))
+        return self.lm_head(self.norm(x))
+
+
+BUILDERS = {"mlp": MLP, "cnn": CNN, "transformer": Transformer, "gru": GRUModel,
+            "llm": LLMBlock}  # fmt: skip
 
 
 def train(
@@ -110,6 +178,7 @@ def train(
     boundaries: str | None = None,
     optimizer: str = "sgd",
     parallel: str | None = None,
+    before_step: Callable[[nn.Module, int], None] | None = None,
 ) -> None:
     """Train ``model_name`` for ``steps`` SGD-momentum steps, recording into ``url``.
 
@@ -119,8 +188,9 @@ def train(
     — BatchNorm running statistics included — before batch t's forward pass, as Keras
     and JAX record it (a test checks the two stores agree). Default: ``'optimizer'`` for
     Adam (whose ``opt_state`` the Adam cells compare), ``'step'`` for SGD.
-    ``weights`` (default :func:`conformance.spec.initial_weights`)
-    and ``mutate`` (called on the loaded model) exist for the negative controls.
+    ``weights`` (default :func:`conformance.spec.initial_weights`), ``mutate`` (called
+    on the loaded model) and ``before_step`` (called with the model and t between
+    ``backward`` and ``opt.step``) exist for the negative controls.
     ``parallel`` (``'ddp'`` or ``'fsdp2'``, in an initialised process group): the model is
     wrapped and each rank trains on its rows of every batch (:func:`parallelize`).
     """
@@ -165,6 +235,8 @@ def train(
             out = model(torch.from_numpy(x[t][rows]))
             loss = F.mse_loss(out, torch.from_numpy(y[t][rows]))
             loss.backward()
+            if before_step is not None:
+                before_step(model, t)
             opt.step()
             if hooked is None:
                 handle.step()

@@ -58,6 +58,11 @@ MLP_IN, MLP_HIDDEN, MLP_OUT = 8, 16, 4
 CNN_HW, CNN_C, CNN_F1, CNN_OUT = 8, 3, 4, 3
 TF_VOCAB, TF_T, TF_D, TF_HEADS, TF_FF, TF_OUT = 16, 6, 8, 2, 16, 3
 GRU_T, GRU_IN, GRU_H, GRU_OUT = 5, 3, 6, 2
+LLM_VOCAB, LLM_T, LLM_D, LLM_HEADS, LLM_FF = 16, 6, 8, 2, 16
+RMS_EPS = 2.0**-17
+"""RMSNorm epsilon of the ``llm`` block, set explicitly in every framework."""
+ROPE_THETA = 10000.0
+"""Rotary position embedding base of the ``llm`` block (Llama's default)."""
 
 
 @dataclass(frozen=True)
@@ -135,7 +140,62 @@ GRU = ModelSpec(
     (BATCH, GRU_OUT),
 )
 
-MODELS: dict[str, ModelSpec] = {m.name: m for m in (MLP, CNN, TRANSFORMER, GRU)}
+LLM = ModelSpec(
+    "llm",
+    {
+        "embed/embedding": (LLM_VOCAB, LLM_D),
+        "attn_norm/scale": (LLM_D,),
+        # Llama-style: separate bias-free q/k/v/o projections, causal self-attention
+        **{f"attn/{p}/kernel": (LLM_D, LLM_D) for p in "qkvo"},
+        "mlp_norm/scale": (LLM_D,),
+        # SwiGLU: down(silu(gate(x)) * up(x)), bias-free
+        "mlp/gate/kernel": (LLM_D, LLM_FF),
+        "mlp/up/kernel": (LLM_D, LLM_FF),
+        "mlp/down/kernel": (LLM_FF, LLM_D),
+        "norm/scale": (LLM_D,),
+        "lm_head/kernel": (LLM_D, LLM_VOCAB),
+    },
+    (BATCH, LLM_T),
+    (BATCH, LLM_T, LLM_VOCAB),
+    int_input=LLM_VOCAB,
+)
+"""A Llama decoder block: embed → RMSNorm → causal self-attention with rotary position
+embeddings on q and k (:func:`rope_tables`) → residual → RMSNorm → SwiGLU MLP →
+residual → RMSNorm → lm_head, logits per token (MSE against random targets, like every
+conformance model)."""
+
+MODELS: dict[str, ModelSpec] = {m.name: m for m in (MLP, CNN, TRANSFORMER, GRU, LLM)}
+
+_HF_LLAMA = (
+    (r"^model/embed_tokens/", "embed/"),
+    (r"^model/layers/(\d+)/input_layernorm/", r"layers/\1/attn_norm/"),
+    (r"^model/layers/(\d+)/self_attn/([qkvo])_proj/", r"layers/\1/attn/\2/"),
+    (r"^model/layers/(\d+)/post_attention_layernorm/", r"layers/\1/mlp_norm/"),
+    (r"^model/layers/(\d+)/mlp/(gate|up|down)_proj/", r"layers/\1/mlp/\2/"),
+    (r"^model/norm/", "norm/"),
+)
+
+
+def hf_llama_name_map(one_block: bool = False) -> Any:
+    """A ``name_map`` preset: Hugging Face Llama-family names (``LlamaForCausalLM``,
+    recorded by ``traintape.torch.watch`` as ``model/layers/0/self_attn/q_proj/kernel``
+    ...) → the ``llm`` block's names: ``embed_tokens`` → ``embed``, ``input_layernorm`` →
+    ``attn_norm``, ``self_attn/{q,k,v,o}_proj`` → ``attn/{q,k,v,o}``,
+    ``post_attention_layernorm`` → ``mlp_norm``, ``mlp/{gate,up,down}_proj`` →
+    ``mlp/{gate,up,down}``, ``model/norm`` → ``norm``, ``lm_head`` kept; block i under
+    ``layers/<i>/``. ``one_block``: a one-block model (the conformance ``llm``) has no
+    ``layers/0/`` prefix. Activations map the same way (``<layer>/output``)."""
+    import re
+
+    def name_map(name: str) -> str:
+        for pattern, repl in _HF_LLAMA:
+            name = re.sub(pattern, repl, name)
+        if one_block:
+            name = re.sub(r"^layers/0/", "", name)
+        return name
+
+    return name_map
+
 
 FORWARD_ORDER: dict[str, list[str]] = {
     "mlp": ["fc1", "head"],
@@ -143,9 +203,25 @@ FORWARD_ORDER: dict[str, list[str]] = {
     "transformer": ["emb", "ln1", "attn/q", "attn/k", "attn/v", "attn/o", "attn", "ln2",
                     "fc1", "fc2", "head"],
     "gru": ["gru", "head"],
+    "llm": ["embed", "attn_norm", "attn/q", "attn/k", "attn/v", "attn/o", "mlp_norm",
+            "mlp/gate", "mlp/up", "mlp/down", "norm", "lm_head"],
 }  # fmt: skip
 """Layer paths in forward order, written to every store's ``manifest.user['forward_order']``
 so ``compare`` can name the *first* layer that diverged (no adapter records it yet)."""
+
+
+def rope_tables(dtype: str = "float32") -> tuple[np.ndarray, np.ndarray]:
+    """The ``llm`` block's rotary embedding tables ``(cos, sin)``, each (T, head_dim):
+    Llama's (Hugging Face's) convention — inverse frequencies θ^(−2i/d), angles
+    position × frequency with the d/2 frequencies repeated (``cat(freqs, freqs)``), and
+    ``x·cos + rotate_half(x)·sin`` with ``rotate_half(x) = cat(−x[d/2:], x[:d/2])`` on
+    every head of q and k. Computed once here in float64 and cast, so every framework
+    uses the same constants (HF computes them in float32: ~1 ulp apart)."""
+    dh = LLM_D // LLM_HEADS
+    inv = 1.0 / ROPE_THETA ** (np.arange(0, dh, 2, dtype=np.float64) / dh)
+    freqs = np.outer(np.arange(LLM_T, dtype=np.float64), inv)
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    return np.cos(emb).astype(dtype), np.sin(emb).astype(dtype)
 
 
 def dtype_of(config: str) -> str:

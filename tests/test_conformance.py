@@ -1,5 +1,7 @@
-"""The conformance matrix as a test: every model, every framework pair, float32 and
-float64, compares identical under the documented tolerances (conformance/README.md).
+"""The conformance matrix as a test: the four original models, every pair of torch, Keras,
+Flax Linen and Flax NNX, float32 and float64 (+ the Adam block), compare identical under
+the documented tolerances (conformance/README.md). The equinox column and the ``llm`` row:
+``python -m conformance`` (the whole matrix) and tests/test_conformance_subset.py.
 
 The matrix is produced once per session (one subprocess per framework × dtype, two at a
 time; about 2–3 minutes on 2 CPU cores). Cells that fail because of a *known, reported*
@@ -23,11 +25,16 @@ pytest.importorskip("tensorflow")
 pytest.importorskip("jax")
 
 from conformance.known import known_gap
-from conformance.matrix import DTYPES, Cell, check_pair, default_plan, run_matrix
+from conformance.matrix import DTYPES, Cell, check_pair, default_plan, run_plan
 
+CI_FRAMEWORKS = ("torch", "tf", "jax-linen", "jax-nnx")
+CI_MODELS = ("mlp", "cnn", "transformer", "gru")
+"""The matrix run here; the equinox column and the ``llm`` row run in full with
+``python -m conformance`` (a few of their cells: tests/test_conformance_subset.py)."""
+PLAN = default_plan(CI_FRAMEWORKS, DTYPES, CI_MODELS)
 CELLS = [
     (d, m, a, b)
-    for fws, cfgs, ms in default_plan()
+    for fws, cfgs, ms in PLAN
     for d in cfgs
     for m in ms
     for a, b in itertools.combinations(fws, 2)
@@ -36,7 +43,7 @@ CELLS = [
 
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory) -> dict[tuple[str, str, str, str], Cell]:
-    cells = run_matrix(root=tmp_path_factory.mktemp("conformance"))
+    cells = run_plan(PLAN, tmp_path_factory.mktemp("conformance"))
     return {(c.dtype, c.model, c.a, c.b): c for c in cells}
 
 

@@ -28,12 +28,12 @@ TOL = TOLERANCES["float32"]
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """Correct float32 torch stores of the transformer and the MLP."""
+    """Correct float32 torch stores of the transformer, the MLP, the GRU and the LLM block."""
     from conformance import models_torch
 
     root = tmp_path_factory.mktemp("reference")
     out = {}
-    for m in ("transformer", "mlp", "gru"):
+    for m in ("transformer", "mlp", "gru", "llm"):
         models_torch.train(m, str(root / m), "float32")
         out[m] = str(root / m)
     return out
@@ -157,3 +157,92 @@ def test_swapped_gru_gates(reference, tmp_path, monkeypatch):
     fd = rep.first_divergence
     assert (fd.kind, fd.tensor, fd.first_step_out) == ("activation", "gru/output", 0)
     assert rep.diff("gru/kernel_ih", "grad").first_step_out == 0
+
+
+# ----------------------------------------------------------------------------- llm block
+def test_llm_swapped_q_k(reference, tmp_path):
+    """The block's attention uses the k projection as queries and q as keys (logits
+    transposed — under the causal mask a different function). Names, weights and the
+    projections' own outputs are untouched at step 0: the initial params are exact,
+    attn/q/output is fine at step 0; compare names attn/o/output at step 0, and the q
+    and k kernels' grads (snapshots included) at step 0."""
+    from conformance import models_torch
+
+    def mutate(model):
+        att = model.attn
+
+        def swapped(x):
+            q, k = att.q(x), att.k(x)
+            return att.o(models_torch.causal_attention(k, q, att.v(x), S.LLM_HEADS))
+
+        att.forward = swapped
+
+    models_torch.train("llm", str(tmp_path / "qk"), "float32", mutate=mutate)
+    cell = check_pair(reference["llm"], tmp_path / "qk", "llm", "float32")
+    assert cell.initial_exact and not cell.identical
+    rep = _report(reference["llm"], tmp_path / "qk")
+    fd = rep.first_divergence
+    assert (fd.kind, fd.tensor, fd.first_step_out) == ("activation", "attn/o/output", 0)
+    for name in ("attn/q/output", "attn/k/output", "attn/v/output"):
+        assert rep.diff(name, "activation").first_step_out == 1, name
+    for name in ("attn/q/kernel", "attn/k/kernel"):
+        assert rep.diff(name, "grad").first_step_out == 0, name
+        assert rep.diff(name, "param").first_step_out == 1, name
+    # the step-0 grad snapshots differ too, element by element, not just their stats
+    snap = traintape.open_run(str(tmp_path / "qk")).snapshot("attn/q/kernel", "grad", 0)
+    ref = traintape.open_run(reference["llm"]).snapshot("attn/q/kernel", "grad", 0)
+    assert not np.allclose(snap, ref, rtol=TOL["grad"]["rtol"], atol=TOL["grad"]["atol"])
+
+
+def test_llm_wrong_rms_norm_epsilon(reference, tmp_path):
+    """attn_norm with epsilon 1e-3 instead of 2^-17: attn_norm/output is the first
+    divergence at step 0 (and its scale's grad); embed/output (before it) is fine at
+    step 0, the scale itself (loaded right) too."""
+    from conformance import models_torch
+
+    def mutate(model):
+        model.attn_norm.eps = 1e-3
+
+    models_torch.train("llm", str(tmp_path / "rms"), "float32", mutate=mutate)
+    rep = _report(reference["llm"], tmp_path / "rms")
+    fd = rep.first_divergence
+    assert (fd.kind, fd.tensor, fd.first_step_out) == ("activation", "attn_norm/output", 0)
+    assert rep.diff("embed/output", "activation").first_step_out != 0  # upstream: fine at 0
+    assert rep.diff("attn/q/output", "activation").first_step_out == 0  # downstream
+    assert rep.diff("attn_norm/scale", "grad").first_step_out == 0
+    assert rep.diff("attn_norm/scale", "param").first_step_out > 0  # loaded right
+
+
+def test_llm_one_step_late_gradient(reference, tmp_path):
+    """The optimizer is handed the previous step's gradient (a pipelining bug; zeros at
+    step 0). The forward pass and the params of step 0 are right; the gradient applied
+    and recorded at step 0 is all zeros: compare names a grad at step 0 (every grad
+    snapshot of step 0 differs), params from step 1."""
+    import torch
+
+    from conformance import models_torch
+
+    late: dict[str, torch.Tensor] = {}
+
+    def before_step(model, t):
+        for n, p in model.named_parameters():
+            prev = late.get(n, torch.zeros_like(p.grad))
+            late[n] = p.grad.detach().clone()
+            p.grad.copy_(prev)
+
+    models_torch.train("llm", str(tmp_path / "late"), "float32", before_step=before_step)
+    cell = check_pair(reference["llm"], tmp_path / "late", "llm", "float32")
+    assert cell.initial_exact and not cell.identical
+    rep = _report(reference["llm"], tmp_path / "late")
+    fd = rep.first_divergence
+    assert (fd.kind, fd.first_step_out) == ("grad", 0)
+    assert fd.tensor == "embed/embedding"  # the first layer in forward order
+    run, ref = traintape.open_run(str(tmp_path / "late")), traintape.open_run(reference["llm"])
+    for name in S.LLM.params:
+        assert rep.diff(name, "grad").first_step_out == 0, name
+        assert rep.diff(name, "param").first_step_out == 1, name
+        assert not run.snapshot(name, "grad", 0).any(), name  # the stale (zero) gradient
+        assert ref.snapshot(name, "grad", 0).any(), name
+    assert all(
+        rep.diff(n, "activation").first_step_out == 1 for n in run.tensor_names("activation")
+    )

@@ -1,6 +1,6 @@
 """Equinox through traintape.jax: canonical layouts (checked against equinox's own
-weights/grads and PyTorch's layouts), ``filter_value_and_grad``, and the transposed
-square-kernel negative control."""
+weights/grads and PyTorch's layouts), ``filter_value_and_grad`` (activations under
+vmap included), and the transposed square-kernel negative control."""
 
 from __future__ import annotations
 
@@ -148,6 +148,87 @@ def test_mha_and_recurrent_names():
     assert leaves["lstm/kernel_ih"].shape == (3, 20) and leaves["lstm/kernel_hh"].shape == (5, 20)
     assert leaves["lstm/bias_ih"].shape == (20,)
     assert leaves["gru/kernel_ih"].shape == (3, 15) and leaves["gru/kernel_hh"].shape == (5, 15)
+    # GRUCell.bias = b_i + [b_hr, b_hz, 0] → bias_ih; bias_n = b_hn → bias_hn
+    assert leaves["gru/bias_ih"].shape == (15,) and leaves["gru/bias_hn"].shape == (5,)
+    assert leaves["gru/bias_hn"].source_name == "gru/bias_n"
+    assert "lstm/bias_hh" not in leaves and "gru/bias_hh" not in leaves
+    bn, _ = eqx.nn.make_with_state(eqx.nn.BatchNorm)(3, "batch", mode="batch")
+    names = {lf.name: lf.layer_kind for lf in tj.named_leaves(eqx.filter({"bn": bn}, eqx.is_array))}
+    assert names == {"bn/scale": "batch_norm", "bn/bias": "batch_norm"}
+
+
+class _Block(eqx.Module):
+    """Per-example model: tokens (T,) → (T, 2), layers mapped over tokens."""
+
+    emb: eqx.nn.Embedding
+    attn: eqx.nn.MultiheadAttention
+    mix: eqx.nn.Linear
+    out: eqx.nn.Linear
+
+    def __init__(self, key: jax.Array) -> None:
+        k = jax.random.split(key, 4)
+        self.emb = eqx.nn.Embedding(7, 4, key=k[0])
+        self.attn = eqx.nn.MultiheadAttention(2, 4, key=k[1])
+        self.mix = eqx.nn.Linear(4, 3, key=k[2])
+        self.out = eqx.nn.Linear(3, 2, key=k[3])
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        x = jax.vmap(self.emb)(ids)
+        x = x + self.attn(x, x, x)
+        return jax.vmap(self.out)(jnp.tanh(jax.vmap(self.mix)(x)))
+
+
+def test_activations_under_nested_vmap(mem_url):
+    """Layer outputs taken inside vmap(batch) ∘ vmap(tokens) are recorded (B, T, ...):
+    their stats are those of the outputs computed directly; the attention is one layer
+    (no q/k/v/o outputs); forward order; grads unchanged by the capture."""
+    model = _Block(jax.random.PRNGKey(0))
+    ids = jax.random.randint(jax.random.PRNGKey(1), (5, 6), 0, 7)
+
+    def loss(m: _Block, x: jax.Array) -> jax.Array:
+        return jnp.mean(jax.vmap(m)(x) ** 2)
+
+    want_v, want_g = eqx.filter_value_and_grad(loss)(model, ids)
+    with Recorder(mem_url, CapturePolicy()) as rec:
+        v, g = eqx.filter_jit(tj.filter_value_and_grad(loss, recorder=rec))(model, ids)
+    np.testing.assert_allclose(v, want_v, rtol=1e-6)
+    for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(want_g), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    run = open_run(mem_url)
+    acts = ["emb/output", "attn/output", "mix/output", "out/output"]
+    assert run.tensor_names("activation") == sorted(acts)
+    assert run.manifest.forward_order == ["emb", "attn", "mix", "out"]
+    x = jax.vmap(jax.vmap(model.emb))(ids)
+    a = jax.vmap(lambda e: model.attn(e, e, e))(x)
+    h = jax.vmap(jax.vmap(model.mix))(x + a)
+    direct = {"emb/output": x, "attn/output": a, "mix/output": h,
+              "out/output": jax.vmap(jax.vmap(model.out))(jnp.tanh(h))}  # fmt: skip
+    st = run.stats("activation")
+    for name, value in direct.items():
+        spec = run.spec(name, "activation")
+        assert spec.shape == [None, *value.shape[1:]], name
+        row = st[(st.tensor == name) & (st.step == 0)].iloc[0]
+        np.testing.assert_allclose(row["mean"], np.mean(value), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(row["l2"], np.linalg.norm(np.asarray(value)), rtol=1e-5)
+    assert run.spec("attn/output", "activation").layer_kind == "attention"
+    assert run.spec("mix/output", "activation").layer_kind == "dense"
+
+
+def test_activation_capture_leaves_classes_alone(mem_url):
+    """The capture patches layer classes only while the function runs; a plain call
+    afterwards is equinox's own, and activations=False records none."""
+    model = eqx.nn.MLP(3, 2, 4, 1, key=jax.random.PRNGKey(0))
+    before = eqx.nn.Linear.__call__
+    x = jnp.ones((2, 3))
+    with Recorder(mem_url, CapturePolicy()) as rec:
+        tj.filter_value_and_grad(lambda m: jnp.sum(jax.vmap(m)(x)), recorder=rec)(model)
+    assert eqx.nn.Linear.__call__ is before
+    assert open_run(mem_url).tensor_names("activation") == ["layers/0/output", "layers/1/output"]
+    with Recorder(mem_url + "b", CapturePolicy()) as rec:
+        tj.filter_value_and_grad(
+            lambda m: jnp.sum(jax.vmap(m)(x)), recorder=rec, activations=False
+        )(model)
+    assert open_run(mem_url + "b").tensor_names("activation") == []
 
 
 def _train_pair(url_eqx: str, url_torch: str, *, bad: bool) -> None:
@@ -250,3 +331,75 @@ def test_watch_update_and_opt_state_canonical(mem_url):
         np.testing.assert_allclose(
             run.snapshot(f"layers/{i}/kernel/mu", "opt_state", 0), mu, rtol=1e-5, atol=1e-8
         )
+
+
+def test_cell_under_lax_scan_is_not_leaked(mem_url):
+    """A GRUCell stepped by ``lax.scan`` runs in the scan body's own trace: its output
+    cannot leave it, so it is not recorded (no leaked tracer); the head after the scan
+    is. A cell stepped by a Python loop records its first call (step 0 of the loop)."""
+    k = jax.random.split(jax.random.PRNGKey(0), 2)
+    model = {"gru": eqx.nn.GRUCell(3, 4, key=k[0]), "head": eqx.nn.Linear(4, 1, key=k[1])}
+    xs = jax.random.normal(jax.random.PRNGKey(1), (2, 5, 3))
+
+    def run_scan(m, x):  # type: ignore[no-untyped-def]
+        h, _ = jax.lax.scan(lambda h, xt: (m["gru"](xt, h), None), jnp.zeros(4), x)
+        return m["head"](h)
+
+    def run_loop(m, x):  # type: ignore[no-untyped-def]
+        h = jnp.zeros(4)
+        for t in range(x.shape[0]):
+            h = m["gru"](x[t], h)
+        return m["head"](h)
+
+    for i, fwd in enumerate((run_scan, run_loop)):
+        url = f"{mem_url}{i}"
+        with Recorder(url, CapturePolicy()) as rec:
+            vg = tj.filter_value_and_grad(
+                lambda m, f=fwd: jnp.sum(jax.vmap(lambda x: f(m, x))(xs)), recorder=rec
+            )
+            eqx.filter_jit(vg)(model)
+        acts = open_run(url).tensor_names("activation")
+        assert acts == (["head/output"] if fwd is run_scan else ["gru/output", "head/output"])
+    assert open_run(f"{mem_url}1").spec("gru/output", "activation").shape == [None, 4]
+
+
+class _ConvBN(eqx.Module):
+    conv: eqx.nn.Conv2d
+    bn: eqx.nn.BatchNorm
+
+    def __init__(self, key: jax.Array) -> None:
+        self.conv = eqx.nn.Conv2d(2, 3, 3, padding=1, use_bias=False, key=key)
+        self.bn = eqx.nn.BatchNorm(3, "batch", mode="batch")
+
+    def __call__(self, x: jax.Array, state: eqx.nn.State) -> tuple[jax.Array, eqx.nn.State]:
+        return self.bn(self.conv(x), state)
+
+
+def test_conv_batch_norm_channels_last_and_state(mem_url):
+    """Conv/BatchNorm outputs (channel-first per example) are recorded channels-last;
+    the BatchNorm statistics of the State passed in are ``param`` running_mean/var as
+    passed (θ_t), layer kind batch_norm."""
+    model, state = eqx.nn.make_with_state(_ConvBN)(jax.random.PRNGKey(0))
+    mean0 = jnp.asarray([0.5, -1.0, 2.0])
+    state = state.set(model.bn.batch_state_index, (mean0, jnp.ones(3)))
+    x = jax.random.normal(jax.random.PRNGKey(1), (4, 2, 5, 6))  # (B, C, H, W)
+
+    def loss(m, st, xb):  # type: ignore[no-untyped-def]
+        y, st = jax.vmap(m, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(xb, st)
+        return jnp.mean(y**2), st
+
+    with Recorder(mem_url, CapturePolicy(full_every=1)) as rec:
+        vg = eqx.filter_jit(tj.filter_value_and_grad(loss, recorder=rec, has_aux=True))
+        (_, new_state), _ = vg(model, state, x)
+    run = open_run(mem_url)
+    assert run.spec("conv/output", "activation").shape == [None, 5, 6, 3]
+    assert run.spec("bn/output", "activation").shape == [None, 5, 6, 3]
+    direct = jax.vmap(model.conv)(x)  # (B, 3, 5, 6)
+    row = run.stats("activation")
+    row = row[(row.tensor == "conv/output") & (row.step == 0)].iloc[0]
+    np.testing.assert_allclose(row["l2"], np.linalg.norm(np.asarray(direct)), rtol=1e-5)
+    np.testing.assert_array_equal(run.snapshot("bn/running_mean", "param", 0), mean0)
+    np.testing.assert_array_equal(run.snapshot("bn/running_var", "param", 0), np.ones(3))
+    assert run.spec("bn/running_mean", "param").layer_kind == "batch_norm"
+    assert run.spec("bn/scale", "param").layer_kind == "batch_norm"
+    assert not np.allclose(new_state.get(model.bn.batch_state_index)[0], mean0)  # it moved
