@@ -2,7 +2,8 @@
 
 Reports the installed frameworks and their versions, the statistics backend each
 adapter would use here (the value recorded as ``Producer.stats_backend``), the C compiler
-and the native kernels' status, and the TensorStore kvstore drivers. Importing this
+and the native kernels' status (each: prebuilt at install, compiled at run time, or
+unavailable and why), and the TensorStore kvstore drivers. Importing this
 module imports no framework; :func:`diagnose` imports each installed one to ask it.
 """
 
@@ -70,6 +71,9 @@ def diagnose(frameworks: bool = True) -> Diagnosis:
             d.add(fw, f"{v}; stats backend {_framework_backend(fw)}")
         except Exception as e:  # a broken install is worth reporting, not crashing on
             d.add(fw, v, ok=False, detail=f"{type(e).__name__}: {e}")
+            continue
+        if fw == "jax":
+            _jax_ffi_kernel(d)
     import tensorstore as ts
 
     drivers = []
@@ -83,6 +87,18 @@ def diagnose(frameworks: bool = True) -> Diagnosis:
             pass
     d.add("tensorstore", f"{_version('tensorstore')}; kvstore drivers {', '.join(drivers)}")
     return d
+
+
+def _jax_ffi_kernel(d: Diagnosis) -> None:
+    """Where JAX's FFI stat kernel came from: prebuilt at install, compiled at run time,
+    or unavailable and why (JAX then uses XLA reductions on the CPU)."""
+    from traintape.adapters.jax import ffi_kernel
+
+    if ffi_kernel.available():
+        d.add("JAX FFI stats kernel", ffi_kernel.origin())
+    else:
+        d.add("JAX FFI stats kernel", "unavailable (XLA reductions on CPU)", ok=False,
+              detail=ffi_kernel.unavailable_reason())  # fmt: skip
 
 
 def _framework_backend(fw: str) -> str:
