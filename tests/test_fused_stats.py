@@ -7,7 +7,7 @@ import pytest
 
 from traintape.core import native
 from traintape.core.stats import raw_rows, stat_vectors
-from traintape.schema.stats import N_STATS, STAT_INDEX, finalize, merge
+from traintape.schema.stats import N_STATS, STAT_INDEX, finalize, index_map, merge
 from traintape.schema.stats import reference_stats as stat_vectors_numpy
 
 pytestmark = pytest.mark.skipif(not native.fused_available(), reason="no C compiler for the kernel")
@@ -94,7 +94,11 @@ def test_merge_equals_stats_of_concatenation():
     b = rng.standard_normal(100).astype(np.float32) * 5
     b[0] = np.nan
     c = np.full(4, np.inf, np.float32)
-    ra, rb, rc = (raw_rows([v]) for v in (a, b, c))
+    n = a.size + b.size + c.size  # each part at its offset in the whole (sig)
+    ra, rb, rc = (
+        raw_rows([v], maps=[index_map((n,), start=(k,))])
+        for v, k in ((a, 0), (b, a.size), (c, a.size + b.size))
+    )
     got = finalize(merge(merge(ra, rb), rc))
     want = stat_vectors_numpy([np.concatenate([a, b, c])])
     np.testing.assert_allclose(got, want, rtol=1e-6)

@@ -17,6 +17,7 @@ import traintape
 import traintape.jax as tj
 from traintape import CapturePolicy, Kind, Recorder, open_run
 from traintape.core.stats import stat_vectors
+from traintape.schema.stats import activation_map
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -363,8 +364,9 @@ def test_linen_activations_recorded_with_correct_stats(mem_url: str) -> None:
     assert run.spec("conv/output", Kind.ACTIVATION).shape == [None, 4, 5]
     _, inter = net.apply(params, TOKENS, capture_intermediates=True, mutable=["intermediates"])
     inter = inter["intermediates"]
-    ref = stat_vectors([np.asarray(inter[k]["__call__"][0]) for k in
-                        ("conv", "embed", "layers_0", "layers_1", "norm")])  # fmt: skip
+    acts = [np.asarray(inter[k]["__call__"][0]) for k in
+            ("conv", "embed", "layers_0", "layers_1", "norm")]  # fmt: skip
+    ref = stat_vectors(acts, maps=[activation_map(a.shape) for a in acts])  # batch axis free
     np.testing.assert_allclose(run.stats_array(Kind.ACTIVATION)[0], ref, rtol=2e-4, atol=1e-6)
 
 
@@ -440,7 +442,8 @@ def test_activation_snapshots_use_the_fixed_probe_batch(mem_url: str) -> None:
     # stats are over the training batch, not the probe
     _, inter = net.apply(history[1], (TOKENS + 1) % 11, capture_intermediates=True,
                          mutable=["intermediates"])  # fmt: skip
-    ref = stat_vectors([np.asarray(inter["intermediates"]["embed"]["__call__"][0])])[0]
+    emb = np.asarray(inter["intermediates"]["embed"]["__call__"][0])
+    ref = stat_vectors([emb], maps=[activation_map(emb.shape)])[0]
     row = run.stats(Kind.ACTIVATION).set_index(["step", "tensor"]).loc[(1, "embed/output")]
     np.testing.assert_allclose(row.to_numpy(dtype=float), ref, rtol=1e-4, atol=1e-6)
 

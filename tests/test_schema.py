@@ -71,6 +71,7 @@ def test_invalid_names_name_the_segment(name, segment):
 def test_stat_vector_order_is_fixed():
     assert STAT_NAMES == (
         "mean", "std", "min", "max", "l2", "abs_mean", "zero_frac", "nan_count", "inf_count",
+        "sig",
     )  # fmt: skip
 
 

@@ -92,3 +92,68 @@ def test_event_types_are_a_closed_set_or_user_named(run_dir: str) -> None:
     rec.log(0, loss=1.0)
     rec.close()  # the refused call left capture on and nothing behind
     assert [e.type for e in tt.open_run(run_dir).events()] == ["user/lr_drop"]
+
+
+def _as_v1_3(run_dir: str) -> None:
+    """Rewrite a store the way schema 1.3.0 wrote it: no ``sig`` in the stat vector (the
+    manifest's ``stat_names`` and the stats arrays' last axis)."""
+    from traintape.core import layout as L
+    from traintape.core.store import open_array
+
+    run = tt.open_run(run_dir)
+    for kind in run.kinds():
+        path = L.stats_path(kind)
+        data = np.asarray(run.array(path).read().result())
+        meta = L.row_array_metadata(
+            run.manifest.layout,
+            data.shape[0],
+            (data.shape[1], 9),
+            "float64",
+            ["row", f"tensor_{kind.value}", "stat"],
+        )
+        open_array(run.url, path, metadata=meta)[...].write(data[..., :9]).result()
+    mpath = Path(run_dir) / "zarr.json"
+    doc = json.loads(mpath.read_text())
+    m = doc["attributes"]["traintape"]
+    m["schema_version"] = "1.3.0"
+    m["stat_names"] = m["stat_names"][:9]
+    mpath.write_text(json.dumps(doc))
+
+
+def test_v1_3_store_without_sig_reads_validates_and_compares(tmp_path) -> None:
+    """A store of the stat vector before ``sig`` reads with its own statistics (``sig``
+    not recorded), validates, and compares with a current store on the statistics both
+    have — compare says which it skipped; this build refuses to append to it."""
+    from traintape.core.errors import RecordError
+    from traintape.schema.stats import STAT_NAMES
+
+    old, new = str(tmp_path / "old"), str(tmp_path / "new")
+    _record(old, range(3))
+    _record(new, range(3))
+    _as_v1_3(old)
+    run = tt.open_run(old)
+    assert run.manifest.schema_version == SCHEMA_VERSION
+    assert run.manifest.stat_names == list(STAT_NAMES[:9])
+    df = run.stats("param")
+    assert "sig" not in df.columns and "l2" in df.columns
+    assert tt.validate(old).ok
+    for a, b in ((old, new), (new, old)):
+        rep = tt.compare(a, b)
+        assert rep.identical, rep
+        assert any("['sig'] not compared" in n for n in rep.notes), rep.notes
+    with pytest.raises(RecordError, match="stat vector"):
+        tt.Recorder(old)
+
+
+def test_migrate_gives_a_pre_1_4_document_without_stat_names_the_old_vector() -> None:
+    from traintape.schema.stats import LEGACY_STAT_NAMES
+
+    m = Manifest(run_id="r", producer={"traintape_version": "x", "python_version": "3"})
+    doc = m.model_dump(mode="json")
+    doc["schema_version"] = "1.3.0"
+    del doc["stat_names"]
+    assert migrate(doc)["stat_names"] == list(LEGACY_STAT_NAMES[0])
+    assert Manifest.model_validate(migrate(doc)).stat_names == list(LEGACY_STAT_NAMES[0])
+    doc["stat_names"] = ["mean", "bogus"]
+    with pytest.raises(ValueError, match="stat_names"):
+        Manifest.model_validate(doc)

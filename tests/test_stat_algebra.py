@@ -27,6 +27,7 @@ from traintape.schema.stats import (
     RAW_NAMES,
     STAT_NAMES,
     finalize,
+    index_map,
     merge,
     merge_all,
     reference_raw_rows,
@@ -219,7 +220,11 @@ def test_merge_of_parts_equals_whole(namespace: str) -> None:
     whole[30] = -np.inf
     whole[40:45] = 0.0
     cuts = [0, 1, 2, 500, 500, 7000, 10_001]  # includes an empty part
-    parts = reference_raw_rows([whole[a:b] for a, b in itertools.pairwise(cuts)])
+    # each part says where it sits in the whole (the sig field's canonical index)
+    parts = reference_raw_rows(
+        [whole[a:b] for a, b in itertools.pairwise(cuts)],
+        [index_map(whole.shape, start=(a,)) for a, _ in itertools.pairwise(cuts)],
+    )
     want = reference_raw_rows([whole])[0]
     if namespace == "numpy":
         got = merge_all(parts[:, None, :])[0]
@@ -257,13 +262,12 @@ def test_a_derived_statistic_is_added_by_editing_one_module(tmp_path: Path) -> N
     shutil.copytree(ROOT / "traintape", pkg, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     stats_py = pkg / "schema" / "stats.py"
     src = stats_py.read_text()
-    anchor = """    Stat("inf_count", "number of +Inf or -Inf elements", lambda r: r.numel - r.nfinite - r.nan, None),
-)"""
-    assert anchor in src
+    anchor = ')  # fmt: skip\n"""The stat vector, in store order."""'
+    assert src.count(anchor) == 1
     src = src.replace(
         anchor,
-        anchor[:-1]
-        + '    Stat("rms", "root mean square", lambda r: np.sqrt(_ratio(r.sumsq, r.nfinite)), np.nan),\n)',
+        '    Stat("rms", "root mean square", lambda r: np.sqrt(_ratio(r.sumsq, r.nfinite)), np.nan),\n'
+        + anchor,
     )
     stats_py.write_text(src)
     script = textwrap.dedent(

@@ -7,16 +7,33 @@ from traintape.core.stats import stat_vector, stat_vectors
 from traintape.schema import STAT_INDEX
 
 
+def _sign(c: int) -> int:
+    """The sig pattern at canonical index c, in plain Python integers (an independent
+    spelling of traintape.schema.stats.pattern_sign)."""
+    m = 0xFFFFFFFF
+    h = c & m
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & m
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & m
+    return -1 if h >> 31 else 1
+
+
 def reference(x):
     x = np.asarray(x, dtype=np.float64).ravel()
-    f = x[np.isfinite(x)]
+    fin = np.isfinite(x)
+    f = x[fin]
     nan = np.isnan(x).sum()
     inf = np.isinf(x).sum()
     if f.size:
         v = [f.mean(), f.std(), f.min(), f.max(), np.linalg.norm(f), np.abs(f).mean()]
+        l2 = np.linalg.norm(f)
+        signed = sum(_sign(int(i)) * float(x[i]) for i in np.flatnonzero(fin))
+        sig = signed / l2 if l2 > 0 else 0.0
     else:
         v = [np.nan] * 4 + [0.0, np.nan]
-    return np.array([*v, (x == 0).mean() if x.size else np.nan, nan, inf])
+        sig = np.nan
+    return np.array([*v, (x == 0).mean() if x.size else np.nan, nan, inf, sig])
 
 
 @pytest.mark.parametrize("seed", range(5))

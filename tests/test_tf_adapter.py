@@ -16,7 +16,7 @@ import traintape  # noqa: E402
 import traintape.keras  # noqa: E402
 from traintape.adapters.tf.stats import raw_matrix  # noqa: E402
 from traintape.core.stats import stat_vectors  # noqa: E402
-from traintape.schema.stats import N_RAW, finalize  # noqa: E402
+from traintape.schema.stats import N_RAW, activation_map, finalize  # noqa: E402
 from traintape.tf import GradientTape, from_canonical, stat_matrix, to_canonical  # noqa: E402
 
 try:
@@ -323,7 +323,8 @@ def test_fit_callback_same_names_for_all_model_styles() -> None:
                                    rtol=1e-5, atol=1e-6)  # fmt: skip
         act = run.stats("activation")
         row = act[(act.step == 0) & (act.tensor == "fc1/output")]
-        ref = stat_vectors([x[:4] @ k + b])[0]
+        out = x[:4] @ k + b
+        ref = stat_vectors([out], maps=[activation_map(out.shape)])[0]  # batch axis free
         np.testing.assert_allclose(row[list(traintape.STAT_NAMES)].to_numpy()[0], ref,
                                    rtol=1e-5, atol=1e-6)  # fmt: skip
         rm = run.stats("param")

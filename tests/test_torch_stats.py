@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 
 from traintape.adapters.torch import stats as S  # noqa: E402
 from traintape.core.stats import stat_vectors as reference  # noqa: E402
-from traintape.schema.stats import finalize, merge  # noqa: E402
+from traintape.schema.stats import finalize, index_map, merge  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -59,7 +59,12 @@ def test_merge_equals_stats_of_concatenation(size):
     b = torch.randn(size // 2 + 1, generator=g) * 5
     b[0] = float("nan")
     c = torch.full((4,), float("inf"))
-    merged = merge(merge(S.raw_stats([a]), S.raw_stats([b]), torch), S.raw_stats([c]), torch)
+    n = len(a) + len(b) + len(c)  # each part at its offset in the whole (sig)
+    ra, rb, rc = (
+        S.raw_stats([v], [index_map((n,), start=(k,))])
+        for v, k in ((a, 0), (b, len(a)), (c, len(a) + len(b)))
+    )
+    merged = merge(merge(ra, rb, torch), rc, torch)
     got = finalize(merged.numpy())[0]
     want = reference([torch.cat([a, b, c]).numpy()])[0]
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-7)

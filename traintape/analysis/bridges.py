@@ -41,7 +41,7 @@ import numpy as np
 
 from traintape.analysis._common import ProgressCallback, Tracker
 from traintape.core import layout as L
-from traintape.schema import STAT_NAMES, Kind
+from traintape.schema import Kind
 
 if TYPE_CHECKING:
     from traintape.core.reader import Run
@@ -139,14 +139,15 @@ class _Plan:
                 kind = Kind(value)
                 if kind not in self.kinds:
                     self.kinds.append(kind)
-        bad = [s for s in stats if s not in STAT_NAMES]
+        held = list(run.manifest.stat_names)  # a store older than 1.4.0 has no sig
+        bad = [s for s in stats if s not in held]
         if bad:
-            raise ValueError(f"unknown stat {bad[0]!r}: use any of {', '.join(STAT_NAMES)}")
+            raise ValueError(f"unknown stat {bad[0]!r}: use any of {', '.join(held)}")
         self.stats = list(dict.fromkeys(stats))
         if not 1 <= bins <= MAX_BINS:
             raise ValueError(f"bins must be between 1 and {MAX_BINS}, got {bins}")
         self.bins = bins
-        self.cols = [STAT_NAMES.index(s) for s in self.stats]
+        self.cols = [held.index(s) for s in self.stats]
         self.names = {k: run.tensor_names(k) for k in self.kinds}
         self.tags = {
             k: np.array(

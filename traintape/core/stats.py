@@ -17,13 +17,22 @@ default (number of CPUs).
 
 from __future__ import annotations
 
+import ctypes
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from traintape.core import native
-from traintape.schema.stats import N_RAW, Array, as_float, finalize, reference_raw_rows
+from traintape.schema.stats import (
+    N_RAW,
+    Array,
+    IndexMap,
+    as_float,
+    finalize,
+    reference_raw_rows,
+)
 
 _DTYPES = {np.dtype(np.float32): 0, np.dtype(np.float64): 1}
 
@@ -64,47 +73,99 @@ def _default_threads() -> int:
         return 0
 
 
-def raw_rows(arrays: Sequence[np.ndarray], nthreads: int | None = None) -> Array:
+_MAXD = 8  # TT_MAXD in _fused_stats.c
+_WORDS = 2 + 2 * _MAXD  # TT_MAP_WORDS
+
+
+def map_words(imap: IndexMap | None, shape: Sequence[int]) -> list[int] | None:
+    """The kernel's encoding of ``imap`` for an array of ``shape`` (``TT_MAP_WORDS``
+    integers: nd, offset, dims, strides; all zeros for the identity), or None when it
+    has more than ``TT_MAXD`` axes after merging contiguous ones."""
+    w = [0] * _WORDS
+    if imap is None:
+        return w
+    dims, strides, off = imap.collapsed(shape)
+    if len(dims) > _MAXD:
+        return None
+    w[0], w[1] = len(dims), off
+    w[2 : 2 + len(dims)] = dims
+    w[2 + _MAXD : 2 + _MAXD + len(dims)] = strides
+    return w
+
+
+def _mapped(lib: Any) -> Any:
+    fn = lib.tt_raw_stats_mapped
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 5 + [ctypes.c_int]
+    return fn
+
+
+def raw_rows(
+    arrays: Sequence[np.ndarray],
+    nthreads: int | None = None,
+    maps: Sequence[IndexMap | None] | None = None,
+) -> Array:
     """Raw rows ``[len(arrays), N_RAW]`` float64 (:data:`~traintape.schema.stats.RAW_NAMES`).
 
+    ``maps``: each array's :class:`~traintape.schema.stats.IndexMap` (where its elements
+    sit in the canonical tensor, for the ``sig`` field; None: the identity).
     The arrays are only read; they must not be written concurrently.
     """
     n = len(arrays)
+    maps = [None] * n if maps is None else list(maps)
+    if len(maps) != n:
+        raise ValueError(f"{len(maps)} index maps for {n} arrays")
     out = np.empty((n, N_RAW), dtype=np.float64)
     lib = native.fused_lib()
     fast: list[int] = []
     keep: list[np.ndarray] = []  # holds the buffers alive during the call
+    words: list[list[int]] = []
     slow: list[int] = []
     for i, a in enumerate(arrays):
         a = np.asarray(a)
         if lib is not None and a.size:
             a = _prepare(a)
-        if lib is not None and a.size and supported(a):
+        w = map_words(maps[i], a.shape) if lib is not None and a.size else None
+        if w is not None and supported(a):
             fast.append(i)
             keep.append(a)
+            words.append(w)
         else:
             slow.append(i)
     if slow:
-        out[slow] = reference_raw_rows([np.asarray(arrays[i]) for i in slow])
+        out[slow] = reference_raw_rows(
+            [np.asarray(arrays[i]) for i in slow], [maps[i] for i in slow]
+        )
     if fast:
         assert lib is not None
         ptrs = np.array([a.ctypes.data for a in keep], dtype=np.uintp)
         lens = np.array([a.size for a in keep], dtype=np.int64)
         codes = np.array([_DTYPES[a.dtype] for a in keep], dtype=np.int32)
+        table = np.array(words, dtype=np.int64)
         res = np.empty((len(fast), N_RAW), dtype=np.float64)
         th = _default_threads() if nthreads is None else int(nthreads)
-        rc = lib.tt_raw_stats(
-            len(fast), ptrs.ctypes.data, lens.ctypes.data, codes.ctypes.data, res.ctypes.data, th
+        rc = _mapped(lib)(
+            len(fast),
+            ptrs.ctypes.data,
+            lens.ctypes.data,
+            codes.ctypes.data,
+            table.ctypes.data,
+            res.ctypes.data,
+            th,
         )
         if rc != 0:
-            raise MemoryError("traintape fused stat kernel: out of memory")
+            raise MemoryError("traintape fused stat kernel: out of memory (or a bad index map)")
         out[fast] = res
     return out
 
 
-def stat_vectors(arrays: Sequence[np.ndarray], nthreads: int | None = None) -> Array:
+def stat_vectors(
+    arrays: Sequence[np.ndarray],
+    nthreads: int | None = None,
+    maps: Sequence[IndexMap | None] | None = None,
+) -> Array:
     """Stat vectors ``[len(arrays), N_STATS]`` float64 of host arrays."""
-    return finalize(raw_rows(arrays, nthreads))
+    return finalize(raw_rows(arrays, nthreads, maps))
 
 
 def stat_vector(x: np.ndarray) -> Array:

@@ -21,7 +21,7 @@ from traintape.core import layout as L
 from traintape.core.errors import NotAStoreError
 from traintape.core.kvstore import KvStore, Location, local_path, normalize_url
 from traintape.core.store import inspect_location, open_array, read_manifest, storage_dtype
-from traintape.schema import N_STATS, Kind, Manifest, SchemaVersionError
+from traintape.schema import Kind, Manifest, SchemaVersionError
 
 
 @dataclass
@@ -103,10 +103,11 @@ class _Checker:
             expected[L.STEPS] = ("int64", (None,), [m.layout.row_chunk])
         for kind in m.kinds():
             n = len(m.specs(kind))
+            n_stats = len(m.stat_names)  # an older store's own stat vector
             expected[L.stats_path(kind)] = (
                 "float64",
-                (None, n, N_STATS),
-                [m.layout.row_chunk, n, N_STATS],
+                (None, n, n_stats),
+                [m.layout.row_chunk, n, n_stats],
             )
         for name in m.metrics:
             expected[L.metric_path(name)] = ("float64", (None,), [m.layout.row_chunk])

@@ -32,7 +32,7 @@ from traintape.schema.names import (
 )
 from traintape.schema.policy import CapturePolicy
 from traintape.schema.roles import LayerKind
-from traintape.schema.stats import STAT_NAMES
+from traintape.schema.stats import LEGACY_STAT_NAMES, STAT_NAMES
 from traintape.schema.version import SCHEMA_VERSION, parse_version
 
 MANIFEST_ATTR = "traintape"
@@ -323,8 +323,11 @@ class Manifest(_Model):
     @field_validator("stat_names")
     @classmethod
     def _stats(cls, v: list[str]) -> list[str]:
-        if tuple(v) != STAT_NAMES:
-            raise ValueError(f"stat_names {v} differ from schema v1 stat vector {list(STAT_NAMES)}")
+        if tuple(v) != STAT_NAMES and tuple(v) not in LEGACY_STAT_NAMES:
+            raise ValueError(
+                f"stat_names {v} differ from the schema v1 stat vector {list(STAT_NAMES)} "
+                f"(or an older version's: {[list(x) for x in LEGACY_STAT_NAMES]})"
+            )
         return v
 
     @model_validator(mode="after")

@@ -14,6 +14,12 @@ model; a store resumed by this build is rewritten in the current version.
             ``Event.type`` is a closed set (``EventType``) or ``user/<name>``: an
             older store's other event types become ``user/<type>`` (``user/event``
             with ``data.original_type`` when the type is not a valid name segment)
+1.4.0       the stat vector gains ``sig`` (layout signature; raw field ``sig``). An
+            older store keeps the ``stat_names`` it was written with (its stats arrays
+            have those columns): readers look statistics up by name, ``sig`` is not
+            recorded there, and ``compare`` skips it, saying so. A document without
+            ``stat_names`` gets the pre-1.4.0 stat vector. This build does not resume
+            such a store (its rows would have another width)
 ==========  ===============================================================
 """
 
@@ -22,6 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from traintape.schema.names import validate_name
+from traintape.schema.stats import LEGACY_STAT_NAMES
 from traintape.schema.version import SCHEMA_VERSION, parse_version
 
 
@@ -49,6 +56,8 @@ def migrate(doc: Any) -> Any:
             out["forward_order"] = [str(x) for x in order]
     if v < (1, 3, 0) and isinstance(out.get("events"), list):
         out["events"] = [_event_1_3(e) for e in out["events"]]
+    if v < (1, 4, 0) and "stat_names" not in out:
+        out["stat_names"] = list(LEGACY_STAT_NAMES[0])  # the stat vector before sig
     out["schema_version"] = SCHEMA_VERSION
     return out
 

@@ -19,7 +19,24 @@ abs_mean    mean |x| over the finite elements (NaN if none)
 zero_frac   count(x == 0) / numel over all elements (NaN if numel == 0)
 nan_count   number of NaN elements
 inf_count   number of +Inf or -Inf elements
+sig         layout signature: sum s(c) x_c / l2 over the finite elements, ``s`` a fixed
+            pseudo-random ±1 pattern of the canonical flat index ``c``
+            (:func:`pattern_sign`; 0 if l2 is 0, NaN if there are none)
 ==========  ===============================================================
+
+``sig`` is the one statistic that depends on *where* each value sits: every other one is
+invariant under any permutation of the elements, so without it a stats-only comparison
+cannot see a transposed square kernel or swapped attention heads or LSTM gates. The
+pattern is a function of the element's index in the **canonical** layout (row-major, mod
+2**32), whatever layout a backend holds the tensor in: backends are given an
+:class:`IndexMap` (the canonical index of each element of the array they reduce; see
+:func:`index_map`) for tensors held permuted, for a part of a tensor (a shard or row
+block: the part's offset) and for activations, whose batch axis has stride 0 — the
+pattern runs over the per-example index, so every example sees the same pattern and
+batch splits (micro-batches, data-parallel replicas) merge exactly. ``sig`` (over
+``l2``) is scale-free and about N(0, 1) for unstructured data: a permuted layout moves it
+by O(1), while an error in the data moves it by about the data's relative error (so
+``compare`` holds it to an absolute tolerance of ``max(atol, rtol)``).
 
 NaN and Inf are counted, never stripped silently or allowed to poison the moments.
 
@@ -81,6 +98,7 @@ RAW_FIELDS: Final[tuple[RawField, ...]] = (
     RawField("zeros", Merge.ADD, 0.0, "number of elements equal to zero"),
     RawField("nan", Merge.ADD, 0.0, "number of NaN elements"),
     RawField("exp", Merge.EXP, 0.0, "power-of-two exponent e of the scaled fields (see SCALED)"),
+    RawField("sig", Merge.ADD, 0.0, "sum of s(c) x over the finite elements, c the canonical index (pattern_sign)"),
 )  # fmt: skip
 """Raw-row layout shared by every backend (the C kernel's ``enum`` is checked against
 these names when it is loaded)."""
@@ -88,7 +106,7 @@ these names when it is loaded)."""
 RAW_NAMES: Final[tuple[str, ...]] = tuple(f.name for f in RAW_FIELDS)
 N_RAW: Final[int] = len(RAW_FIELDS)
 RAW_INDEX: Final[dict[str, int]] = {n: i for i, n in enumerate(RAW_NAMES)}
-SCALED: Final[dict[str, int]] = {"sum": 1, "abs_sum": 1, "m2": 2, "sumsq": 2}
+SCALED: Final[dict[str, int]] = {"sum": 1, "abs_sum": 1, "sig": 1, "m2": 2, "sumsq": 2}
 """Raw fields held in units of ``2**(p * exp)`` (field name → power ``p``).
 
 A part whose largest finite ``|x|`` reaches :data:`SCALE_FROM` (float64 data), or whose
@@ -168,6 +186,13 @@ STATS: Final[tuple[Stat, ...]] = (
     ),
     Stat("nan_count", "number of NaN elements", lambda r: r.nan, None),
     Stat("inf_count", "number of +Inf or -Inf elements", lambda r: r.numel - r.nfinite - r.nan, None),
+    Stat(
+        "sig",
+        "layout signature sum s(c) x / l2 over the finite elements (s: pattern_sign)",
+        # sig and sqrt(sumsq) are both in units of 2**exp: the ratio needs no unscaling
+        lambda r: r.sig / np.where(r.sumsq > 0, np.sqrt(np.maximum(r.sumsq, 0.0)), 1.0),
+        np.nan,
+    ),
 )  # fmt: skip
 """The stat vector, in store order."""
 
@@ -184,6 +209,125 @@ def stat_column(vectors: Array, name: str, stat_names: Sequence[str] = STAT_NAME
     except ValueError:
         raise KeyError(f"no statistic {name!r}; this data has {list(stat_names)}") from None
     return vectors[..., i]
+
+
+LEGACY_STAT_NAMES: Final[tuple[tuple[str, ...], ...]] = (STAT_NAMES[:9],)
+"""Stat vectors of older schema versions a store may still hold (before 1.4.0: no
+``sig``). A store keeps the ``stat_names`` it was written with; readers look statistics
+up by name, and a statistic a store lacks reads as not recorded."""
+
+
+# ---------------------------------------------------------------------------- pattern
+_M1, _M2 = 0x85EBCA6B, 0xC2B2AE35
+
+
+def pattern_sign(c: Any) -> NDArray[np.float64]:
+    """The ±1 pattern of the ``sig`` raw field at canonical flat indices ``c`` (integers,
+    taken mod 2**32): ``h = c; h ^= h >> 16; h *= 0x85EBCA6B; h ^= h >> 13;
+    h *= 0xC2B2AE35`` in uint32 arithmetic (murmur3's finalizer, less its last step),
+    and ``s = -1`` where bit 31 of ``h`` is set, else ``+1``. Every backend computes this
+    same hash (the C kernel flips the sign bit of ``x`` with bit 31 of ``h``)."""
+    h = (np.asarray(c).astype(np.int64) & 0xFFFFFFFF).astype(np.uint32)
+    h ^= h >> np.uint32(16)
+    h *= np.uint32(_M1)
+    h ^= h >> np.uint32(13)
+    h *= np.uint32(_M2)
+    return np.where(h >> np.uint32(31), -1.0, 1.0)
+
+
+@dataclass(frozen=True)
+class IndexMap:
+    """Where the elements of an array held in a framework's layout sit in the canonical
+    tensor: the element at multi-index ``(i_0, ..., i_{k-1})`` of the held array has
+    canonical flat index ``offset + sum(i_a * strides[a])`` (mod 2**32). Build one with
+    :func:`index_map`; ``None`` in its place means the identity (the held array *is*
+    the canonical tensor, flattened row-major)."""
+
+    strides: tuple[int, ...]
+    offset: int = 0
+
+    def indices(self, shape: Sequence[int]) -> NDArray[np.int64]:
+        """Canonical flat indices (mod 2**32) of an array of ``shape`` held this way."""
+        if len(shape) != len(self.strides):
+            raise ValueError(
+                f"index map of rank {len(self.strides)} for an array of shape {tuple(shape)}"
+            )
+        c = np.full(tuple(shape), self.offset % 2**32, dtype=np.int64)
+        for a, (n, st) in enumerate(zip(shape, self.strides, strict=True)):
+            ax = [1] * len(shape)
+            ax[a] = n
+            c = c + (np.arange(n, dtype=np.int64) * (st % 2**32)).reshape(ax)
+        return c & 0xFFFFFFFF
+
+    def collapsed(self, shape: Sequence[int]) -> tuple[list[int], list[int], int]:
+        """``(dims, strides, offset)`` of the same map with unit axes dropped and axes
+        that step contiguously in the canonical index merged (an identity map is one axis
+        of stride 1), strides and offset mod 2**32: the kernels' form."""
+        dims: list[int] = []
+        strides: list[int] = []
+        for n, st in zip(shape, self.strides, strict=True):
+            if n == 1:
+                continue
+            st %= 2**32
+            if dims and strides[-1] == (st * n) % 2**32:
+                dims[-1] *= n
+                strides[-1] = st
+            else:
+                dims.append(int(n))
+                strides.append(st)
+        if not dims:
+            dims, strides = [1], [1]
+        return dims, strides, self.offset % 2**32
+
+
+def index_map(
+    shape: Sequence[int | None],
+    permutation: Sequence[int] | None = None,
+    *,
+    batch: bool = False,
+    start: Sequence[int] | None = None,
+) -> IndexMap | None:
+    """The :class:`IndexMap` of an array held in source layout ``shape`` (the whole
+    tensor's, before ``permutation``; canonical = source.transpose(permutation)).
+
+    ``batch``: the canonical axis 0 is a free batch axis (activations): it gets stride 0,
+    so the pattern runs over the per-example index. ``start``: the held array is the part
+    of the source tensor starting at these source indices (a shard or row block; its own
+    shape is whatever it holds). Returns None for the identity."""
+    rank = len(shape)
+    perm = list(range(rank)) if permutation is None else [int(p) for p in permutation]
+    cshape = [shape[p] for p in perm]
+    cstrides = [0] * rank
+    acc = 1
+    for a in range(rank - 1, -1, -1):
+        if batch and a == 0:
+            break
+        cstrides[a] = acc
+        acc *= int(cshape[a] or 0)
+    strides = [0] * rank
+    for a, p in enumerate(perm):
+        strides[p] = cstrides[a]
+    offset = sum(int(s) * st for s, st in zip(start or [0] * rank, strides, strict=True))
+    identity = perm == list(range(rank)) and not batch and offset == 0
+    return None if identity else IndexMap(tuple(strides), offset)
+
+
+def activation_map(shape: Sequence[int | None]) -> IndexMap | None:
+    """:func:`index_map` of an activation held in the canonical layout: axis 0 is the
+    free batch axis (stride 0); a scalar has none."""
+    return index_map(shape, batch=True) if len(shape) else None
+
+
+def sig_of(x: np.ndarray, imap: IndexMap | None = None) -> float:
+    """The ``sig`` raw field of host array ``x`` held as ``imap`` says (reference)."""
+    v = as_float(np.asarray(x)).astype(np.float64)
+    c = (
+        np.arange(v.size, dtype=np.int64).reshape(v.shape)
+        if imap is None
+        else imap.indices(v.shape)
+    )
+    fin = np.isfinite(v)
+    return float(np.sum(np.where(fin, v, 0.0) * pattern_sign(c)))
 
 
 # ---------------------------------------------------------------------------- algebra
@@ -291,35 +435,55 @@ def as_float(a: np.ndarray) -> np.ndarray:
     raise TypeError(f"cannot take statistics of dtype {a.dtype.name}")
 
 
-def reference_raw(x: np.ndarray) -> Array:
+def reference_raw(x: np.ndarray, imap: IndexMap | None = None) -> Array:
     """Raw row ``[N_RAW]`` of one array (any shape), float64 accumulation, two-pass m2."""
-    return reference_raw_rows([x])[0]
+    return reference_raw_rows([x], [imap])[0]
 
 
-def reference_raw_rows(arrays: Sequence[np.ndarray]) -> Array:
+def _signs(a: np.ndarray, imap: IndexMap | None) -> NDArray[np.float64]:
+    """The ``sig`` pattern of array ``a`` held as ``imap`` says, flattened row-major."""
+    if imap is None:
+        return pattern_sign(np.arange(np.size(a), dtype=np.int64))
+    return pattern_sign(imap.indices(np.shape(a))).ravel()
+
+
+def reference_raw_rows(
+    arrays: Sequence[np.ndarray], maps: Sequence[IndexMap | None] | None = None
+) -> Array:
     """Numpy reference: raw rows ``[len(arrays), N_RAW]`` float64 of host arrays.
 
+    ``maps``: each array's :class:`IndexMap` (None, or a None entry: the identity).
     Arrays up to 64k elements are concatenated and reduced with ``ufunc.reduceat`` (a
     handful of passes whatever their number); larger ones one at a time. An array whose
     sums overflow float64 (``|x|`` beyond ~1e154) is reduced again scaled
     (:data:`SCALED`).
     """
+    maps = [None] * len(arrays) if maps is None else list(maps)
+    if len(maps) != len(arrays):
+        raise ValueError(f"{len(maps)} index maps for {len(arrays)} arrays")
     out = empty_raw(len(arrays))
     small = [i for i, a in enumerate(arrays) if 0 < np.size(a) <= _SMALL]
     with np.errstate(over="ignore", invalid="ignore"):
         for i, a in enumerate(arrays):
             if np.size(a) > _SMALL:
-                out[i] = _raw_rows_flat([as_float(np.asarray(a)).ravel()])[0]
+                x = as_float(np.asarray(a))
+                out[i] = _raw_rows_flat([x.ravel()], [_signs(x, maps[i])])[0]
             elif np.size(a) == 0:
                 as_float(np.asarray(a))  # dtype check
         if small:
-            out[small] = _raw_rows_flat([as_float(np.asarray(arrays[i])).ravel() for i in small])
+            xs = [as_float(np.asarray(arrays[i])) for i in small]
+            out[small] = _raw_rows_flat(
+                [x.ravel() for x in xs],
+                [_signs(x, maps[i]) for x, i in zip(xs, small, strict=True)],
+            )
         for j in np.flatnonzero(needs_scaling(out)):
             i = int(j)
-            x = as_float(np.asarray(arrays[i])).ravel().astype(np.float64)
+            x = as_float(np.asarray(arrays[i]))
+            sg = _signs(x, maps[i])
+            x = x.ravel().astype(np.float64)
             big = max(abs(out[i, RAW_INDEX["min"]]), abs(out[i, RAW_INDEX["max"]]))
             e = int(np.frexp(big)[1])
-            row = _raw_rows_flat([np.where(np.isfinite(x), np.ldexp(x, -e), x)])[0]
+            row = _raw_rows_flat([np.where(np.isfinite(x), np.ldexp(x, -e), x)], [sg])[0]
             for name in SCALED:
                 out[i, RAW_INDEX[name]] = row[RAW_INDEX[name]]
             out[i, RAW_INDEX["exp"]] = e
@@ -337,7 +501,7 @@ def needs_scaling(raw: Array) -> NDArray[np.bool_]:
     return bad & (r.nfinite > 0)
 
 
-def _raw_rows_flat(parts: list[np.ndarray]) -> Array:
+def _raw_rows_flat(parts: list[np.ndarray], signs: list[np.ndarray]) -> Array:
     sizes = np.array([p.size for p in parts], dtype=np.int64)
     x = np.concatenate([p.astype(np.float64, copy=False) for p in parts])
     starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
@@ -359,10 +523,13 @@ def _raw_rows_flat(parts: list[np.ndarray]) -> Array:
         "zeros": np.add.reduceat(x == 0, starts, dtype=np.float64),
         "nan": np.add.reduceat(np.isnan(x), starts, dtype=np.float64),
         "exp": np.zeros(len(parts)),
+        "sig": np.add.reduceat(xz * np.concatenate(signs), starts),
     }
     return np.stack([cols[n] for n in RAW_NAMES], axis=1)
 
 
-def reference_stats(arrays: Sequence[np.ndarray]) -> Array:
+def reference_stats(
+    arrays: Sequence[np.ndarray], maps: Sequence[IndexMap | None] | None = None
+) -> Array:
     """Stat vectors ``[len(arrays), N_STATS]`` of host arrays with the numpy reference."""
-    return finalize(reference_raw_rows(arrays))
+    return finalize(reference_raw_rows(arrays, maps))

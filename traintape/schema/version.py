@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Final
 
-SCHEMA_VERSION: Final[str] = "1.3.0"
+SCHEMA_VERSION: Final[str] = "1.4.0"
 """Semver of the store format this build writes (older 1.x manifests are migrated on
 read: :mod:`traintape.schema.migrate`)."""
 

@@ -2,7 +2,10 @@
  * called from inside a compiled JAX computation on the CPU backend.
  *
  * Operands: any number of float32/float64 buffers (XLA passes them as they are: on the
- * CPU backend device memory is host memory, so nothing is copied). Result: one buffer
+ * CPU backend device memory is host memory, so nothing is copied), optionally followed
+ * by one int32 buffer of TT_MAP_WORDS words per data buffer: their index maps for the
+ * sig field (core/_fused_stats.c tt_plan_new_mapped; offset and strides as uint32 bit
+ * patterns; absent: identity maps). Result: one buffer
  * of [n, RAW] doubles (declared as uint32 [n, 2 * RAW] so that it needs no float64
  * support in JAX), the mergeable raw rows of traintape.schema.stats.RAW_NAMES.
  *
@@ -26,7 +29,9 @@
 #include "xla/ffi/api/c_api.h"
 
 typedef struct tt_plan tt_plan;
-tt_plan *tt_plan_new(int64_t n, const uintptr_t *ptrs, const int64_t *lens, const int32_t *dtypes);
+tt_plan *tt_plan_new_mapped(int64_t n, const uintptr_t *ptrs, const int64_t *lens,
+                            const int32_t *dtypes, const int64_t *maps);
+int tt_map_words(void);
 int64_t tt_plan_blocks(const tt_plan *p);
 void tt_plan_run(tt_plan *p, int64_t b0, int64_t b1);
 void tt_plan_finish(const tt_plan *p, double *out);
@@ -169,13 +174,27 @@ XLA_FFI_Error *tt_raw_stats_ffi(XLA_FFI_CallFrame *cf) {
         return fail(cf->api, XLA_FFI_Error_Code_INVALID_ARGUMENT,
                     "traintape_raw_stats: expected exactly one result");
     int64_t n = cf->args.size;
+    const int32_t *table = NULL; /* index maps: a trailing int32 operand */
+    int64_t words = tt_map_words();
+    if (n > 0 && cf->args.types[n - 1] == XLA_FFI_ArgType_BUFFER &&
+        ((XLA_FFI_Buffer *)cf->args.args[n - 1])->dtype == XLA_FFI_DataType_S32) {
+        XLA_FFI_Buffer *t = (XLA_FFI_Buffer *)cf->args.args[n - 1];
+        int64_t m = 1;
+        for (int64_t d = 0; d < t->rank; d++) m *= t->dims[d];
+        if (m != (n - 1) * words)
+            return fail(cf->api, XLA_FFI_Error_Code_INVALID_ARGUMENT,
+                        "traintape_raw_stats: index map operand of the wrong size");
+        table = (const int32_t *)t->data;
+        n--;
+    }
     XLA_FFI_Buffer *out = (XLA_FFI_Buffer *)cf->rets.rets[0];
     size_t cap = (size_t)(n > 0 ? n : 1);
     uintptr_t *ptrs = (uintptr_t *)malloc(sizeof(uintptr_t) * cap);
     int64_t *lens = (int64_t *)malloc(sizeof(int64_t) * cap);
     int32_t *codes = (int32_t *)malloc(sizeof(int32_t) * cap);
+    int64_t *maps = table ? (int64_t *)malloc(sizeof(int64_t) * cap * (size_t)words) : NULL;
     XLA_FFI_Error *err = NULL;
-    if (!ptrs || !lens || !codes) {
+    if (!ptrs || !lens || !codes || (table && !maps)) {
         err = fail(cf->api, XLA_FFI_Error_Code_RESOURCE_EXHAUSTED,
                    "traintape_raw_stats: out of memory");
         goto done;
@@ -198,11 +217,13 @@ XLA_FFI_Error *tt_raw_stats_ffi(XLA_FFI_CallFrame *cf) {
         lens[i] = m;
         codes[i] = b->dtype == XLA_FFI_DataType_F64 ? 1 : 0;
     }
+    for (int64_t k = 0; table && k < n * words; k++) /* offset, strides: uint32 patterns */
+        maps[k] = (int64_t)(uint32_t)table[k];
     {
-        tt_plan *plan = tt_plan_new(n, ptrs, lens, codes);
+        tt_plan *plan = tt_plan_new_mapped(n, ptrs, lens, codes, maps);
         if (!plan) {
             err = fail(cf->api, XLA_FFI_Error_Code_RESOURCE_EXHAUSTED,
-                       "traintape_raw_stats: out of memory");
+                       "traintape_raw_stats: out of memory (or a malformed index map)");
             goto done;
         }
         if (tt_plan_blocks(plan) >= MIN_ASYNC_BLOCKS &&
@@ -216,5 +237,6 @@ done:
     free(ptrs);
     free(lens);
     free(codes);
+    free(maps);
     return err;
 }

@@ -36,6 +36,7 @@ from jax.experimental import io_callback
 from traintape.core import Recorder
 from traintape.core.recorder import KindRows
 from traintape.schema import CapturePolicy, Kind
+from traintape.schema.stats import activation_map, index_map
 
 from .names import Leaf, specs_for
 from .stats import device_stats
@@ -185,7 +186,23 @@ def emit(
         )
     arrays = [[lf.canonical(g.arrays[lf.index]) for lf in g.leaves] for g in groups]
     sizes = [len(g.leaves) for g in groups]
-    stats, decode = device_stats([a for arrs in arrays for a in arrs])
+    # stats of a leaf held permuted (equinox) are taken in its own layout, the sig
+    # pattern following the canonical index (no transposed copy for the kernel); an
+    # activation's batch axis is free (the pattern runs over the per-example index)
+    held, maps = [], []
+    for g, arrs in zip(groups, arrays, strict=True):
+        for lf, a in zip(g.leaves, arrs, strict=True):
+            if g.kind is Kind.ACTIVATION:
+                held.append(a)
+                maps.append(activation_map(jnp.shape(a)))
+            elif lf.permutation is not None:
+                src = g.arrays[lf.index]
+                held.append(src)
+                maps.append(index_map(jnp.shape(src), lf.permutation))
+            else:
+                held.append(a)
+                maps.append(None)
+    stats, decode = device_stats(held, maps)
     kinds = [g.kind for g in groups]
     names = [tuple(lf.name for lf in g.leaves) for g in groups]
     pump = pump_for(recorder)

@@ -29,6 +29,7 @@ from traintape.schema.stats import (
     RAW_FIELDS,
     RAW_INDEX,
     RAW_NAMES,
+    IndexMap,
     finalize,
 )
 
@@ -43,8 +44,34 @@ def _max(x: jax.Array) -> jax.Array:
     return jax.lax.reduce(x, jnp.float32(-jnp.inf), jax.lax.max, (0,))
 
 
-def _fast_sums(x: jax.Array) -> list[jax.Array]:
-    """[sum (x - x0), sum (x - x0)^2, sum |x|, min, max, nonzero count] of finite flat ``x``.
+def sign_bits(shape: Sequence[int], imap: IndexMap | None) -> jax.Array:
+    """Flat uint32 sign masks (bit 31) of the ``sig`` pattern of an array of ``shape``
+    held as ``imap`` says (:func:`traintape.schema.stats.pattern_sign`, the same hash in
+    uint32 arithmetic; XLA fuses it into the reduction that uses it)."""
+    u = jnp.uint32
+    n = int(np.prod(shape, dtype=np.int64))
+    if imap is None:
+        c = jax.lax.iota(u, n)
+    else:
+        c = jnp.full(tuple(shape), u(imap.offset % 2**32), u)
+        for a, st in enumerate(imap.strides):
+            c = c + jax.lax.broadcasted_iota(u, tuple(shape), a) * u(st % 2**32)
+        c = c.reshape(-1)
+    h = c ^ (c >> u(16))
+    h = h * u(0x85EBCA6B)
+    h = h ^ (h >> u(13))
+    h = h * u(0xC2B2AE35)
+    return h & u(0x80000000)
+
+
+def _signed(x: jax.Array, bits: jax.Array) -> jax.Array:
+    """``s * x`` for float32 ``x``: its sign bit flipped where ``bits`` has bit 31."""
+    return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(x, jnp.uint32) ^ bits, x.dtype)
+
+
+def _fast_sums(x: jax.Array, bits: jax.Array) -> list[jax.Array]:
+    """[sum (x - x0), sum (x - x0)^2, sum |x|, min, max, nonzero count, sum s x] of finite
+    flat ``x`` (``bits``: the sign masks of the ``sig`` pattern).
 
     ``lax.optimization_barrier`` between the reductions stops XLA from multi-output-fusing
     them (XLA:CPU emits a slow scalar loop for such a fusion; each single reduction gets a
@@ -58,6 +85,7 @@ def _fast_sums(x: jax.Array) -> list[jax.Array]:
         _min,
         _max,
         lambda v: jnp.sum(jnp.minimum(jnp.abs(v) * jnp.float32(_BIG), 1.0)),
+        lambda v: jnp.sum(_signed(v, bits)),
     ]
     out = []
     v = x
@@ -85,14 +113,14 @@ def _scale_down(x: jax.Array, big: jax.Array) -> tuple[jax.Array, jax.Array]:
     return x * _pow2(-half) * _pow2(half - e), e
 
 
-def _raw(x: jax.Array, fin: jax.Array | None) -> dict[str, jax.Array]:
+def _raw(x: jax.Array, fin: jax.Array | None, bits: jax.Array) -> dict[str, jax.Array]:
     """Raw fields of flat float32 ``x`` by name (float32 values, int32 counts); ``fin``
     masks finite elements (None: all are, and the sums do not overflow — the caller
     checks and comes back with ``fin``). With ``fin`` the sums are taken scaled
-    (``exp``: see :func:`_scale_down`)."""
+    (``exp``: see :func:`_scale_down`). ``bits``: :func:`sign_bits` of ``x``."""
     n = x.size
     if fin is None:
-        s, s2, sabs, mn, mx, nonzero = _fast_sums(x)
+        s, s2, sabs, mn, mx, nonzero, sig = _fast_sums(x, bits)
         nf = jnp.int32(n)
         nnan = jnp.int32(0)
         zeros = (n - jnp.round(nonzero)).astype(jnp.int32)
@@ -111,6 +139,7 @@ def _raw(x: jax.Array, fin: jax.Array | None) -> dict[str, jax.Array]:
         s = jnp.sum(d)
         s2 = jnp.sum(d * d)
         sabs = jnp.sum(jnp.abs(xs))
+        sig = jnp.sum(_signed(jnp.where(fin, xs, 0.0), bits))
     # s, s2: sums of d = x - c, c = the first (finite) element: no float32 cancellation
     # when |mean| >> std.  m2 = s2 - s (s/n) (<= s2: finite when s2 is);  sum x = s + n c;
     # sum x^2 = s2 + 2 c s + n c^2
@@ -128,6 +157,7 @@ def _raw(x: jax.Array, fin: jax.Array | None) -> dict[str, jax.Array]:
         "abs_sum": sabs,
         "zeros": zeros,
         "nan": nnan,
+        "sig": sig,
     }
 
 
@@ -157,9 +187,12 @@ def _empty_row() -> jax.Array:
     return _row(fields)
 
 
-def raw_matrix(arrays: Sequence[jax.Array]) -> jax.Array:
+def raw_matrix(
+    arrays: Sequence[jax.Array], maps: Sequence[IndexMap | None] | None = None
+) -> jax.Array:
     """Raw rows of many arrays, ``[len(arrays), N_RAW]`` float32 (counts as int32 bits:
-    decode with :func:`decode_raw`), one device array.
+    decode with :func:`decode_raw`), one device array. ``maps``: each array's
+    :class:`~traintape.schema.stats.IndexMap` for the ``sig`` field (None: identity).
 
     Fast path (every element of every array finite, detected from the results
     themselves): per array, sum and sum of squares shifted by the first element (avoids
@@ -170,18 +203,22 @@ def raw_matrix(arrays: Sequence[jax.Array]) -> jax.Array:
     """
     if not arrays:
         return jnp.zeros((0, N_RAW), jnp.float32)
+    maps = [None] * len(arrays) if maps is None else list(maps)
     flat = [_flat32(a) for a in arrays]
+    bits = [sign_bits(jnp.shape(a), m) for a, m in zip(arrays, maps, strict=True)]
 
     def compute(masked: bool) -> jax.Array:
         rows = [
-            _empty_row() if x.size == 0 else _row(_raw(x, jnp.isfinite(x) if masked else None))
-            for x in flat
+            _empty_row() if x.size == 0 else _row(_raw(x, jnp.isfinite(x) if masked else None, b))
+            for x, b in zip(flat, bits, strict=True)
         ]
         return jnp.stack(rows)
 
     fast = compute(False)
     nonempty = [i for i, x in enumerate(flat) if x.size]
-    moments = jnp.array([RAW_INDEX[n] for n in ("sum", "m2", "min", "max", "sumsq", "abs_sum")])
+    moments = jnp.array(
+        [RAW_INDEX[n] for n in ("sum", "m2", "min", "max", "sumsq", "abs_sum", "sig")]
+    )
     ok = (
         jnp.all(jnp.isfinite(fast[jnp.array(nonempty, jnp.int32)][:, moments]))
         if nonempty
@@ -200,13 +237,16 @@ def decode_raw(m: np.ndarray) -> np.ndarray:
     return out
 
 
-def stat_matrix(arrays: Sequence[jax.Array]) -> np.ndarray:
+def stat_matrix(
+    arrays: Sequence[jax.Array], maps: Sequence[IndexMap | None] | None = None
+) -> np.ndarray:
     """Stat vectors ``[len(arrays), N_STATS]`` float64 of concrete arrays via the XLA
     path (raw rows by a jitted :func:`raw_matrix`, finalized on the host)."""
-    return finalize(decode_raw(np.asarray(_jit_raw_matrix(list(arrays)))))
+    maps = None if maps is None else tuple(maps)
+    return finalize(decode_raw(np.asarray(_jit_raw_matrix(list(arrays), maps))))
 
 
-_jit_raw_matrix = jax.jit(raw_matrix)
+_jit_raw_matrix = jax.jit(raw_matrix, static_argnums=1)
 
 
 def stat_vector(x: jax.Array) -> np.ndarray:
@@ -249,17 +289,18 @@ def stats_backend() -> str:
 
 
 def device_stats(
-    arrays: Sequence[jax.Array],
+    arrays: Sequence[jax.Array], maps: Sequence[IndexMap | None] | None = None
 ) -> tuple[jax.Array, Callable[[np.ndarray], np.ndarray]]:
     """Stats of ``arrays`` inside the computation being traced, plus the host decoder.
 
     Returns ``(payload, decode)``: ``payload`` is the small device array to send to the
     host (the raw rows of :func:`raw_matrix`, or the FFI kernel's), and
     ``decode(np.asarray(payload))`` gives the raw rows ``[n, N_RAW]`` float64 of
-    :mod:`traintape.schema.stats` (finalized by the recorder).
+    :mod:`traintape.schema.stats` (finalized by the recorder). ``maps``: each array's
+    :class:`~traintape.schema.stats.IndexMap` (None: identity).
     """
     if stats_mode() == "kernel":
         from . import ffi_kernel
 
-        return ffi_kernel.raw_rows(arrays), ffi_kernel.decode
-    return raw_matrix(arrays), decode_raw
+        return ffi_kernel.raw_rows(arrays, maps), ffi_kernel.decode
+    return raw_matrix(arrays, maps), decode_raw

@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from traintape.core.recorder import KindRows, Recorder
 from traintape.schema import Kind
+from traintape.schema.stats import IndexMap, activation_map
 
 from .stats import host_raw_matrices, host_stats_enabled, raw_matrix
 
@@ -42,6 +43,14 @@ class Group:
     snapshot: bool = True  # False: never pass full tensors (training-batch activations)
     host_snapshots: Callable[[int], Mapping[str, np.ndarray] | None] | None = None
     """Snapshots already on the host (probe-batch activations), looked up by step."""
+
+
+def _maps(kind: Kind, tensors: Sequence[Any]) -> list[IndexMap | None]:
+    """Index maps (the ``sig`` statistic's) of a group's tensors held on the host: TF
+    holds tensors in the canonical layout; an activation's batch axis is free."""
+    if kind is not Kind.ACTIVATION:
+        return [None] * len(tensors)
+    return [activation_map(tuple(np.shape(t))) for t in tensors]
 
 
 def _active(rec: Recorder, groups: Sequence[Group]) -> list[Group]:
@@ -71,7 +80,8 @@ def _host(
             for g in groups:
                 parts.append(arrays[k : k + len(g.names)])
                 k += len(g.names)
-            mats = host_raw_matrices(parts)  # one kernel call for the whole step
+            maps = [_maps(g.kind, part) for g, part in zip(groups, parts, strict=True)]
+            mats = host_raw_matrices(parts, maps)  # one kernel call for the whole step
             rows = []
             for g, sn, part, st in zip(groups, snap, parts, mats, strict=True):
                 snaps: Mapping[str, np.ndarray] | None = None
@@ -112,10 +122,14 @@ def emit(rec: Recorder, step: Any, groups: Sequence[Group]) -> Any:
 def _emit_eager(rec: Recorder, step: int, groups: Sequence[Group]) -> None:
     groups = [g for g in groups if rec.wants(step, g.kind)]
     tensors = [list(g.fn()) for g in groups]
-    if host_stats_enabled():
-        mats = host_raw_matrices(tensors)  # one fused kernel call for the whole step
+    if host_stats_enabled():  # one fused kernel call for the whole step
+        maps = [_maps(g.kind, ts) for g, ts in zip(groups, tensors, strict=True)]
+        mats = host_raw_matrices(tensors, maps)
     else:
-        mats = [raw_matrix(ts).numpy() for ts in tensors]
+        mats = [
+            raw_matrix(ts, batch_free=g.kind is Kind.ACTIVATION).numpy()
+            for g, ts in zip(groups, tensors, strict=True)
+        ]
     rows = []
     for g, ts, stats in zip(groups, tensors, mats, strict=True):
         snaps = None
@@ -141,7 +155,10 @@ def _emit_graph(rec: Recorder, step: tf.Tensor, groups: Sequence[Group]) -> tf.T
             flat_all = [t for ts in tensors for t in ts]
             host = _host(rec, groups, snap, on_host=True)
             return tf.numpy_function(host, [step, *flat_all], tf.int64, stateful=True)
-        stats = [raw_matrix(ts) for ts in tensors]
+        stats = [
+            raw_matrix(ts, batch_free=g.kind is Kind.ACTIVATION)
+            for g, ts in zip(groups, tensors, strict=True)
+        ]
         plain = _host(rec, groups, [False] * len(groups))
 
         def stats_only() -> tf.Tensor:

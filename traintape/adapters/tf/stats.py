@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from traintape.schema.stats import N_RAW, RAW_NAMES, finalize
+from traintape.schema.stats import N_RAW, RAW_NAMES, IndexMap, finalize
 
 _SMALL = 4096  # tensors with a static size up to this are reduced together (segment ops)
 _FAST_MIN = 1 << 16  # from this size on, try the cheap all-finite path first
@@ -67,10 +67,54 @@ def _scaled(xz: tf.Tensor, e: tf.Tensor) -> tf.Tensor:
     return xz * _pow2(-h, xz.dtype) * _pow2(h - e, xz.dtype)
 
 
-def raw_row(x: Any) -> tf.Tensor:
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(h: tf.Tensor, m: int) -> tf.Tensor:
+    """``h * m mod 2**32`` for int64 ``h`` in [0, 2**32) without int64 overflow (the
+    product is split at bit 16: each partial product stays below 2**48)."""
+    lo = tf.bitwise.bitwise_and(h, 0xFFFF)
+    hi = tf.bitwise.right_shift(h, 16)
+    hi_part = tf.bitwise.left_shift(tf.bitwise.bitwise_and(hi * m, 0xFFFF), 16)
+    return tf.bitwise.bitwise_and(lo * m + hi_part, _M32)
+
+
+def signs(x: Any, imap: IndexMap | None, dt: tf.DType, batch_free: bool = False) -> tf.Tensor:
+    """The ``sig`` pattern (±1 in ``dt``, flattened row-major) of tensor ``x`` (its shape
+    may be dynamic) held as ``imap`` says: :func:`traintape.schema.stats.pattern_sign`
+    in int64 arithmetic. ``batch_free``: ``x`` is a canonical-layout activation (axis 0
+    the free batch axis; ``imap`` is ignored): the pattern of the per-example index,
+    ``c = flat index mod per-example size``, from the dynamic shape."""
+    if isinstance(x, tf.IndexedSlices):
+        x = tf.convert_to_tensor(x)
+    shape = tf.shape(x, out_type=tf.int64)
+    if batch_free and x.shape.rank:
+        per = tf.reduce_prod(shape[1:])
+        c = tf.math.floormod(tf.range(tf.reduce_prod(shape), dtype=tf.int64), tf.maximum(per, 1))
+        c = tf.bitwise.bitwise_and(c, _M32)
+    elif imap is None:
+        c = tf.range(tf.reduce_prod(shape), dtype=tf.int64)
+    else:
+        c = tf.fill(shape, tf.constant(imap.offset % 2**32, tf.int64))
+        rank = len(imap.strides)
+        for a, st in enumerate(imap.strides):
+            r = tf.range(shape[a], dtype=tf.int64) * (st % 2**32)
+            c = c + tf.reshape(r, [-1 if k == a else 1 for k in range(rank)])
+        c = tf.bitwise.bitwise_and(tf.reshape(c, [-1]), _M32)
+    h = tf.bitwise.bitwise_xor(c, tf.bitwise.right_shift(c, 16))
+    h = _mul32(h, 0x85EBCA6B)
+    h = tf.bitwise.bitwise_xor(h, tf.bitwise.right_shift(h, 13))
+    h = _mul32(h, 0xC2B2AE35)
+    return 1.0 - 2.0 * tf.cast(tf.bitwise.right_shift(h, 31), dt)
+
+
+def raw_row(x: Any, sg: tf.Tensor | None = None) -> tf.Tensor:
     """Raw row ``[N_RAW]`` of one tensor (any shape; IndexedSlices are densified):
     the exact masked two-pass computation (handles NaN/Inf), sums taken scaled by the
-    largest finite ``|x|`` (``exp``; exact, never overflows)."""
+    largest finite ``|x|`` (``exp``; exact, never overflows). ``sg``: its :func:`signs`
+    (None: those of the identity map)."""
+    if sg is None:
+        sg = signs(x, None, tf.float64 if _flat(x).dtype == tf.float64 else tf.float32)
     x = _flat(x)
     dt = x.dtype
     finite = tf.math.is_finite(x)
@@ -96,10 +140,11 @@ def raw_row(x: Any) -> tf.Tensor:
         abs_sum=tf.reduce_sum(tf.abs(xz)),
         zeros=tf.reduce_sum(tf.cast(tf.equal(x, 0), dt)),
         nan=tf.reduce_sum(tf.cast(tf.math.is_nan(x), dt)),
+        sig=tf.reduce_sum(xz * sg),
     )
 
 
-def _fast_raw(x: tf.Tensor) -> tf.Tensor:
+def _fast_raw(x: tf.Tensor, sg: tf.Tensor) -> tf.Tensor:
     """All-finite fast path (6 cheap reductions); falls back to :func:`raw_row` through
     ``tf.cond`` when the tensor has NaN/Inf or the one-pass m2 could cancel
     (mean**2 > 100 * var)."""
@@ -109,24 +154,30 @@ def _fast_raw(x: tf.Tensor) -> tf.Tensor:
     ss = tf.cast(tf.reduce_sum(tf.square(x)), tf.float64)
     asum = tf.cast(tf.reduce_sum(tf.abs(x)), tf.float64)
     nonzero = tf.cast(tf.reduce_sum(tf.square(tf.sign(x))), tf.float64)
+    sig = tf.cast(tf.reduce_sum(x * sg), tf.float64)
     mean = s / n
     var = ss / n - mean * mean
-    ok = tf.math.is_finite(s + ss + asum) & (mean * mean <= _CANCEL * var)
+    ok = tf.math.is_finite(s + ss + asum + sig) & (mean * mean <= _CANCEL * var)
 
     def fast() -> tf.Tensor:
         return _stack(
             0, numel=n, nfinite=n, sum=s, m2=tf.maximum(var, 0.0) * n,
             min=tf.reduce_min(x), max=tf.reduce_max(x), sumsq=ss, abs_sum=asum,
             zeros=n - nonzero, nan=tf.constant(0.0, tf.float64), exp=tf.constant(0.0, tf.float64),
+            sig=sig,
         )  # fmt: skip
 
-    return tf.cond(ok, fast, lambda: raw_row(x))
+    return tf.cond(ok, fast, lambda: raw_row(x, sg))
 
 
-def _segment_raw(xs: Sequence[tf.Tensor], sizes: Sequence[int]) -> tf.Tensor:
-    """Exact raw rows of many small flat tensors with a fixed number of ops."""
+def _segment_raw(
+    xs: Sequence[tf.Tensor], sizes: Sequence[int], sgs: Sequence[tf.Tensor]
+) -> tf.Tensor:
+    """Exact raw rows of many small flat tensors with a fixed number of ops (``sgs``:
+    their :func:`signs`)."""
     dt = tf.float64 if any(x.dtype == tf.float64 for x in xs) else tf.float32
     x = tf.concat([tf.cast(t, dt) for t in xs], 0)
+    sg = tf.concat([tf.cast(g, dt) for g in sgs], 0)
     ids = tf.constant(np.repeat(np.arange(len(sizes), dtype=np.int32), sizes))
 
     def seg(v: tf.Tensor) -> tf.Tensor:
@@ -155,39 +206,58 @@ def _segment_raw(xs: Sequence[tf.Tensor], sizes: Sequence[int]) -> tf.Tensor:
         abs_sum=seg(tf.abs(xz)),
         zeros=seg(tf.cast(tf.equal(x, 0), dt)),
         nan=seg(tf.cast(tf.math.is_nan(x), dt)),
+        sig=seg(xz * sg),
     )
 
 
-def raw_matrix(tensors: Sequence[Any]) -> tf.Tensor:
+def raw_matrix(
+    tensors: Sequence[Any],
+    maps: Sequence[IndexMap | None] | None = None,
+    *,
+    batch_free: bool = False,
+) -> tf.Tensor:
     """Raw rows of many tensors, ``[len(tensors), N_RAW]`` float64 (graph or eager).
 
     Tensors with a static size <= 4096 are reduced together with segment ops (a fixed
     number of ops however many there are); large ones take a cheap all-finite path
     (sum, sum of squares, sum of |x|, count of sign(x)**2, min, max) and fall back to the
     exact masked computation only when they hold NaN/Inf or their mean dwarfs their
-    spread.
+    spread. ``maps``: each tensor's :class:`~traintape.schema.stats.IndexMap` for the
+    ``sig`` field (None: identity); ``batch_free``: the tensors are canonical-layout
+    activations instead (their batch axis free, shapes possibly dynamic; see
+    :func:`signs`).
     """
     if not tensors:
         return tf.zeros([0, N_RAW], tf.float64)
+    maps = [None] * len(tensors) if maps is None else list(maps)
     flats = [_flat(t) for t in tensors]
+    sgs = [signs(t, m, f.dtype, batch_free) for t, m, f in zip(tensors, maps, flats, strict=True)]
     rows: list[Any] = [None] * len(flats)
     small = [i for i, f in enumerate(flats)
              if f.shape.num_elements() is not None and 0 < f.shape.num_elements() <= _SMALL]  # fmt: skip
     if len(small) > 1:
-        m = _segment_raw([flats[i] for i in small], [flats[i].shape.num_elements() for i in small])
+        m = _segment_raw(
+            [flats[i] for i in small],
+            [flats[i].shape.num_elements() for i in small],
+            [sgs[i] for i in small],
+        )
         for j, i in enumerate(small):
             rows[i] = m[j]
     for i, f in enumerate(flats):
         if rows[i] is None:
             n = f.shape.num_elements()
-            rows[i] = _fast_raw(f) if n is not None and n >= _FAST_MIN else raw_row(f)
+            rows[i] = (
+                _fast_raw(f, sgs[i]) if n is not None and n >= _FAST_MIN else raw_row(f, sgs[i])
+            )
     return tf.stack(rows)
 
 
-def stat_matrix(tensors: Sequence[Any]) -> np.ndarray:
+def stat_matrix(
+    tensors: Sequence[Any], maps: Sequence[IndexMap | None] | None = None
+) -> np.ndarray:
     """Stat vectors ``[len(tensors), N_STATS]`` float64 of eager tensors (graph raw rows,
     finalized on the host)."""
-    return finalize(raw_matrix(tensors).numpy())
+    return finalize(raw_matrix(tensors, maps).numpy())
 
 
 def stat_vector(x: Any) -> np.ndarray:
@@ -239,16 +309,24 @@ def _host_array(t: Any) -> np.ndarray:
     return np.asarray(t)
 
 
-def host_raw_matrices(groups: Sequence[Sequence[Any]]) -> list[np.ndarray]:
+def host_raw_matrices(
+    groups: Sequence[Sequence[Any]], maps: Sequence[Sequence[IndexMap | None]] | None = None
+) -> list[np.ndarray]:
     """Raw rows of several groups of tensors via the host fused kernel, in **one**
     kernel call (one OpenMP region over every tensor of the step): one ``[len(g), N_RAW]``
     float64 matrix per group. Tensors are CPU eager tensors or numpy arrays (as
     ``tf.numpy_function`` passes them, already zero-copy views); IndexedSlices are
-    densified, float16/bfloat16 converted to float32 by the kernel's preparation."""
+    densified, float16/bfloat16 converted to float32 by the kernel's preparation.
+    ``maps``: per group, each tensor's :class:`~traintape.schema.stats.IndexMap`."""
     from traintape.core.stats import raw_rows
 
     arrays = [_host_array(t) for g in groups for t in g]
-    raw = raw_rows(arrays) if arrays else np.zeros((0, N_RAW))
+    flat_maps = (
+        None
+        if maps is None
+        else [m for g, ms in zip(groups, maps, strict=True) for m in ms or [None] * len(g)]
+    )
+    raw = raw_rows(arrays, maps=flat_maps) if arrays else np.zeros((0, N_RAW))
     out, k = [], 0
     for g in groups:
         out.append(raw[k : k + len(g)])

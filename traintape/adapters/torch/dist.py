@@ -107,6 +107,34 @@ def counts_here(t: torch.Tensor | None, rank: int) -> bool:
     return all(c == 0 for c, p in zip(coord, d.placements, strict=True) if isinstance(p, Replicate))
 
 
+def shard_start(t: torch.Tensor | None) -> tuple[int, ...] | None:
+    """Source-layout index at which the part of ``t`` this rank holds (:func:`local`)
+    starts: zeros for a plain tensor; for a DTensor sharded in plain blocks
+    (``Shard(d)``/``Replicate()``, ``torch.chunk`` blocks as in FSDP2) its block's
+    offset; None for other placements (strided/nested shards: the caller reduces the
+    whole tensor instead). Needed for the ``sig`` statistic, a function of the canonical
+    index of each element (:func:`traintape.schema.stats.index_map`)."""
+    from torch.distributed.tensor import Shard
+
+    if t is None or not is_dtensor(t):
+        return None if t is None else (0,) * t.ndim
+    dt: Any = t
+    shape = tuple(dt.shape)
+    mesh = dt.device_mesh
+    coord = mesh.get_coordinate()
+    offset = [0] * len(shape)
+    seen: set[int] = set()
+    for i, p in enumerate(dt.placements):
+        if isinstance(p, Shard) and type(p) is Shard and p.dim not in seen:
+            seen.add(p.dim)
+            if coord is not None:
+                block = -(-shape[p.dim] // mesh.size(i))
+                offset[p.dim] = min(coord[i] * block, shape[p.dim])
+        elif not isinstance(p, Replicate):
+            return None
+    return tuple(offset)
+
+
 def snapshot_part(t: torch.Tensor, permutation: tuple[int, ...] | None, rank: int) -> Part | None:
     """This rank's block of DTensor ``t`` for a snapshot (canonical layout: source axes
     permuted by ``permutation``), or None when ``t`` is not a DTensor sharded in plain
