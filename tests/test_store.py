@@ -159,7 +159,7 @@ def test_record_stats_with_declared_specs_and_bf16_snapshots(mem_url):
     ]  # fmt: skip
     with tt.Recorder(mem_url, tt.CapturePolicy(full_every=1)) as rec:
         rec.declare(specs)
-        vec = np.arange(18, dtype=np.float64).reshape(2, 9)
+        vec = np.arange(2 * tt.schema.N_STATS, dtype=np.float64).reshape(2, tt.schema.N_STATS)
         kern = np.ones((2, 3), dtype=ml_dtypes.bfloat16)
         rec.record_stats(
             0,
@@ -168,7 +168,7 @@ def test_record_stats_with_declared_specs_and_bf16_snapshots(mem_url):
             names=names,
             snapshots={"b/kernel": kern, "a/bias": np.zeros(3, ml_dtypes.bfloat16)},
         )
-        with pytest.raises(RecordError, match=r"stats have shape \(1, 9\)"):
+        with pytest.raises(RecordError, match=rf"stats have shape \(1, {tt.schema.N_STATS}\)"):
             rec.record_stats(1, "param", vec[:1], names=names)
     run = tt.open_run(mem_url)
     a = run.stats_array("param")
@@ -255,7 +255,7 @@ def test_interop_zarr_python_and_xarray(run_dir):
     root = zarr.open_group(run_dir, mode="r")
     assert root.attrs["traintape"]["commit"]["rows"] == 7
     assert root["steps"][:].tolist() == list(range(7))
-    assert root["stats/param"].shape == (7, 4, 9)
+    assert root["stats/param"].shape == (7, 4, len(tt.STAT_NAMES))
     np.testing.assert_array_equal(
         root["snapshots/param/head/embedding"][1], written[3]["head/embedding"]
     )

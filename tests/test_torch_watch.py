@@ -11,6 +11,7 @@ from torch import nn  # noqa: E402
 import traintape  # noqa: E402
 from traintape import CapturePolicy, Kind, Recorder  # noqa: E402
 from traintape.core.stats import stat_vectors  # noqa: E402
+from traintape.schema.stats import activation_map  # noqa: E402
 from traintape.torch import to_canonical, watch  # noqa: E402
 
 torch.set_num_threads(1)
@@ -144,7 +145,9 @@ def test_gradient_accumulation_four_micro_batches_is_one_step(mem_url):
     # the manual model.conv calls above also went through the hook: stats cover 8 batches
     np.testing.assert_allclose(
         run.stats_array("activation")[1, i],
-        stat_vectors([np.concatenate([conv_out, conv_out])])[0],
+        stat_vectors([a := np.concatenate([conv_out, conv_out])], maps=[activation_map(a.shape)])[
+            0
+        ],
         rtol=2e-5,
         atol=1e-6,
     )

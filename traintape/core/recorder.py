@@ -17,6 +17,7 @@ plus the open step.
 
 from __future__ import annotations
 
+import math
 import platform
 import socket
 import threading
@@ -53,7 +54,16 @@ from traintape.core.store import (
 )
 from traintape.core.system import PREFIX as SYSTEM_PREFIX
 from traintape.core.system import SystemSampler, is_system
-from traintape.core.writer import Part, PartWriter, Row, Snapshot, StoreWriter, clear_progress
+from traintape.core.writer import (
+    Part,
+    PartWriter,
+    Piece,
+    Row,
+    Snapshot,
+    StoreWriter,
+    clear_progress,
+    stream_rows,
+)
 from traintape.schema import (
     N_RAW,
     N_STATS,
@@ -71,6 +81,7 @@ from traintape.schema import (
     finalize,
 )
 from traintape.schema.policy import StepPlan
+from traintape.schema.stats import STAT_NAMES, activation_map
 
 
 def default_producer(**fields: Any) -> Producer:
@@ -97,7 +108,9 @@ class Recorder:
         flush_every_seconds: commit at least every T seconds while data is pending.
         max_pending: queue bound (rows + snapshots) between training and writer threads.
         max_pending_bytes: bound on snapshot bytes handed over and not yet durable; the
-            training thread waits (a counted stall) beyond it.
+            training thread waits (a counted stall) beyond it. A streamed snapshot
+            (:meth:`stream_snapshot`, the torch adapter's) holds at most
+            ``min(max_pending_bytes, 192 MiB)`` of pieces not yet written.
         strict: re-raise storage failures in the training thread instead of disabling
             capture with a loud error.
         compression: 'none' (default: float gradients compress poorly), 'zstd', 'blosc'.
@@ -271,6 +284,13 @@ class Recorder:
                 existing = rewound
         if existing is not None:
             m = existing
+            if tuple(m.stat_names) != STAT_NAMES:
+                raise RecordError(
+                    f"store {self.url} holds the stat vector {m.stat_names} (an older "
+                    f"schema's); this build records "
+                    f"{list(STAT_NAMES)} and cannot append to it: record into a new store "
+                    f"(the old one stays readable, and compare works across the two)"
+                )
             if policy is not None and policy != m.policy:
                 raise RecordError(
                     f"store {self.url} was recorded with policy {m.policy.model_dump()}; "
@@ -402,6 +422,40 @@ class Recorder:
         with self._lock:
             return self._within_budget(step, kind, self._snapshot_estimate(kind))
 
+    def stream_snapshot(self, step: int, kind: Kind | str) -> SnapshotStream | None:
+        """Start a *streamed* full capture of ``kind`` at ``step``, or None when there is
+        none to take (as :meth:`snapshots`; a skip over the budget is an event).
+
+        For adapters whose tensors must be copied to the host (device memory, or host
+        memory the training step changes in place): :meth:`SnapshotStream.put` copies each
+        tensor piece by piece and hands each piece to the writer at once, waiting while
+        the writer holds :attr:`SnapshotStream.limit` bytes not yet written — so a full
+        snapshot of a model larger than free host memory needs that much host memory
+        more, not the model's size. Pass the stream as the kind's ``snapshots`` in
+        :meth:`record_step` (or :meth:`record_raw`): that completes the snapshot. Against
+        the budget a stream counts at most its ``limit``. Single-process only (None in a
+        multi-process job, whose processes hand over :class:`~traintape.core.writer.Part` s).
+        """
+        kind = Kind(kind)
+        w = self._writer
+        if (
+            self.group.count > 1
+            or not isinstance(w, StoreWriter)
+            or not self._computing
+            or not self.policy.snapshots(step, kind)
+        ):
+            return None
+        with self._lock:
+            if not self._tensors.declared(kind):
+                raise RecordError(
+                    f"kind {kind.value}: no tensors declared; call Recorder.declare(specs) first"
+                )
+            estimate = min(self._snapshot_estimate(kind), w.stream_bytes)
+            if not self._within_budget(step, kind, estimate):
+                return None
+        self._drain()  # what came before goes to the writer first
+        return SnapshotStream(self, step, kind)
+
     def _budget(self) -> int | None:
         """The snapshot memory budget now (bytes), or None. Not applied in multi-process
         jobs (every process must write the same snapshots)."""
@@ -489,7 +543,12 @@ class Recorder:
             for n, a in arrays.items():
                 _check_against_spec(specs[n], a, step)
             names = self._tensors.names[kind]
-            raw = host_raw_rows([arrays[n] for n in names])
+            # canonical layout: identity index maps, but an activation's batch axis is
+            # free (the sig pattern runs over the per-example index)
+            maps = [
+                activation_map(arrays[n].shape) if kind is Kind.ACTIVATION else None for n in names
+            ]
+            raw = host_raw_rows([arrays[n] for n in names], maps=maps)
             if self._manifest.producer.stats_backend is None:
                 self._manifest.producer = self._manifest.producer.model_copy(
                     update={"stats_backend": host_backend()}
@@ -506,7 +565,8 @@ class Recorder:
             parts: per kind, raw rows ``[len(names), N_RAW]`` (:mod:`traintape.schema.stats`)
                 of the tensors ``names`` (any order; every declared tensor of the kind
                 once) and, on full-capture steps, snapshots (canonical layout; the
-                recorder takes ownership — do not modify them afterwards). Raw rows of
+                recorder takes ownership — do not modify them afterwards — or the
+                :class:`SnapshotStream` that handed them over). Raw rows of
                 parts of one tensor (shards, micro-batches) are merged by the caller
                 with :func:`traintape.schema.stats.merge` first.
         The kinds must have been declared (:meth:`declare`). The policy is applied here:
@@ -594,7 +654,7 @@ class Recorder:
         kind: Kind,
         vecs: np.ndarray,
         names: Sequence[str],
-        snapshots: Mapping[str, ArrayLike] | None,
+        snapshots: Mapping[str, ArrayLike] | SnapshotStream | None,
     ) -> bool:
         with self._lock:
             if not self._tensors.declared(kind):
@@ -603,23 +663,54 @@ class Recorder:
                     f"first or use Recorder.record(step, kind, arrays)"
                 )
             vecs = vecs[self._tensors.order(kind, tuple(names))]
-            snaps = None
-            if snapshots is not None and self.policy.snapshots(step, kind):
-                self._tensors.check_same_set(kind, snapshots.keys())
-                specs = self._tensors.specs(kind)
-                snaps = {}
-                for n in self._tensors.names[kind]:
-                    v = snapshots[n]
-                    if isinstance(v, Part):
-                        _check_part(specs[n], v, step)
-                        snaps[n] = v
-                        continue
-                    a = np.asarray(v)
-                    _check_against_spec(specs[n], a, step)
-                    snaps[n] = a
-            self._add(step, kind, vecs, snaps, copy=False)
+            if isinstance(snapshots, SnapshotStream):
+                self._end_stream(step, kind, snapshots, vecs)
+            else:
+                self._add(step, kind, vecs, self._checked_snapshots(step, kind, snapshots), False)
         self._drain()
         return True
+
+    def _checked_snapshots(
+        self, step: int, kind: Kind, snapshots: Mapping[str, ArrayLike] | None
+    ) -> dict[str, np.ndarray | Part] | None:
+        """The snapshots of a :meth:`record_step` call, checked against the declared
+        specs, or None where the policy takes none of ``kind`` at ``step``."""
+        if snapshots is None or not self.policy.snapshots(step, kind):
+            return None
+        self._tensors.check_same_set(kind, snapshots.keys())
+        specs = self._tensors.specs(kind)
+        snaps: dict[str, np.ndarray | Part] = {}
+        for n in self._tensors.names[kind]:
+            v = snapshots[n]
+            if isinstance(v, Part):
+                _check_part(specs[n], v, step)
+                snaps[n] = v
+                continue
+            a = np.asarray(v)
+            _check_against_spec(specs[n], a, step)
+            snaps[n] = a
+        return snaps
+
+    def _end_stream(self, step: int, kind: Kind, stream: SnapshotStream, vecs: np.ndarray) -> None:
+        """Complete a streamed snapshot with the kind's stat vectors (under ``_lock``):
+        every declared tensor must have been put whole; then its final item follows the
+        pieces to the writer, in order with the rows."""
+        if (stream.step, stream.kind) != (step, kind):
+            raise RecordError(
+                f"kind {kind.value} at step {step}: the snapshot stream is of "
+                f"{stream.kind.value} at step {stream.step}"
+            )
+        self._tensors.check_same_set(kind, stream.shapes.keys())
+        if stream.unfinished:
+            raise RecordError(
+                f"kind {kind.value} at step {step}: snapshot stream of {sorted(stream.unfinished)} "
+                f"did not complete"
+            )
+        self._add(step, kind, vecs, None, copy=False)
+        specs = self._tensors.specs(kind)
+        for n, shape in stream.shapes.items():
+            specs[n].snapshot_shape = list(shape)
+        self._rows.outbox.append(Snapshot(step, kind, {}, final=True))
 
     def log(self, step: int, metrics: Mapping[str, float] | None = None, **kw: float) -> None:
         """Record scalar metrics (loss, learning rate, ...) at ``step``.
@@ -712,12 +803,20 @@ class Recorder:
             for item in items:
                 self._writer.put(item)
 
+    def _put_items(self, items: Sequence[Row | Snapshot]) -> None:
+        """Hand ``items`` to the writer after everything sealed so far (outside ``_lock``)."""
+        with self._put_lock:
+            with self._lock:
+                sealed = self._rows.take()
+            for item in [*sealed, *items]:
+                self._writer.put(item)
+
     def _add(
         self,
         step: int,
         kind: Kind,
         vecs: np.ndarray,
-        snaps: Mapping[str, np.ndarray] | None,
+        snaps: Mapping[str, np.ndarray | Part] | None,
         copy: bool,
     ) -> None:
         """Add one kind's stat vectors (declared order) and snapshots to the row of
@@ -726,7 +825,7 @@ class Recorder:
         row = self._rows.row_for(step)
         if kind in row.stats:
             raise RecordError(f"kind {kind.value} already recorded at step {step}")
-        owned: dict[str, np.ndarray | Part] = {}
+        owned: dict[str, np.ndarray | Part | Piece] = {}
         shapes: dict[str, list[int]] = {}
         if (
             snaps
@@ -844,6 +943,82 @@ class Recorder:
         return f"Recorder({self.url!r}, rows={self._writer.rows_committed})"
 
 
+class SnapshotStream:
+    """A full capture of one kind at one step handed to the writer piece by piece
+    (:meth:`Recorder.stream_snapshot`); complete it by passing it as the kind's
+    ``snapshots`` to :meth:`Recorder.record_step`."""
+
+    def __init__(self, recorder: Recorder, step: int, kind: Kind) -> None:
+        w = recorder._writer
+        assert isinstance(w, StoreWriter)
+        self._rec = recorder
+        self._writer = w
+        self.step = step
+        self.kind = kind
+        self.limit = w.stream_bytes
+        """Bytes of pieces the writer may hold not yet written; :meth:`put` waits beyond."""
+        self.piece_bytes = max(w.layout.snapshot_chunk_bytes, self.limit // 4) if (
+            w.streams_pieces
+        ) else None  # fmt: skip
+        """Target bytes of one piece (None: whole tensors — a remote or compressed store)."""
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.unfinished: set[str] = set()
+        self._specs = recorder._tensors.specs(kind)
+
+    def put(
+        self,
+        name: str,
+        shape: Sequence[int],
+        dtype: str,
+        read: Callable[[int, int], ArrayLike],
+    ) -> None:
+        """Hand over tensor ``name`` (canonical layout, ``shape``, ``dtype`` as declared):
+        ``read(start, stop)`` returns a host copy of its rows ``[start, stop)`` along axis
+        0 (for a 0-d tensor, ``read(0, 1)`` the value), called once per piece right before
+        that piece is handed over; the writer owns what it returns. Blocks while the
+        writer holds :attr:`limit` bytes (a counted stall). Raises RecordError for a name,
+        shape or dtype that is not the declared one."""
+        spec = self._specs.get(name)
+        if spec is None:
+            raise RecordError(f"tensor {name!r} ({self.kind.value}) is not declared")
+        shape = tuple(int(d) for d in shape)
+        _check_against_spec(spec, np.empty((0,) * len(shape), dtype=dtype), self.step, shape)
+        if name in self.shapes:
+            raise RecordError(f"tensor {name!r} ({self.kind.value}) put twice at step {self.step}")
+        if spec.snapshot_shape is not None and list(shape) != spec.snapshot_shape:
+            raise RecordError(
+                f"tensor {name!r} ({self.kind.value}) at step {self.step}: snapshot shape "
+                f"{list(shape)} differs from earlier snapshots {spec.snapshot_shape}"
+            )
+        self.shapes[name] = shape
+        self.unfinished.add(name)
+        target = storage_dtype(dtype)
+        n = shape[0] if shape else 1
+        rows = (
+            n
+            if self.piece_bytes is None or not shape
+            else stream_rows(shape, target, self._writer.layout.snapshot_chunk_bytes, self.piece_bytes)
+        )  # fmt: skip
+        row_bytes = math.prod(shape[1:]) * target.itemsize
+        for start in range(0, max(n, 1), max(rows, 1)):
+            stop = min(start + rows, n)
+            self._writer.wait_for_room((stop - start) * row_bytes if shape else row_bytes)
+            data = np.asarray(read(start, stop))
+            if data.dtype != target:
+                data = data.astype(target)
+            want = (stop - start, *shape[1:]) if shape else ()
+            if data.shape != want:
+                raise RecordError(
+                    f"tensor {name!r} ({self.kind.value}) at step {self.step}: rows "
+                    f"[{start}, {stop}) read as shape {list(data.shape)}, expected {list(want)}"
+                )
+            piece = Piece(data, start, shape)
+            del data
+            self._rec._put_items([Snapshot(self.step, self.kind, {name: piece}, final=False)])
+            del piece
+        self.unfinished.discard(name)
+
+
 @dataclass(frozen=True)
 class KindRows:
     """What an adapter computed for one kind at one step (see :meth:`Recorder.record_step`)."""
@@ -853,8 +1028,9 @@ class KindRows:
     """Canonical names of the rows of ``raw``."""
     raw: ArrayLike
     """Raw rows ``[len(names), N_RAW]`` float64 (:data:`traintape.schema.stats.RAW_NAMES`)."""
-    snapshots: Mapping[str, ArrayLike] | None = None
-    """Full tensors by name, canonical layout (full-capture steps)."""
+    snapshots: Mapping[str, ArrayLike] | SnapshotStream | None = None
+    """Full tensors by name, canonical layout (full-capture steps), or the
+    :class:`SnapshotStream` that handed them over (:meth:`Recorder.stream_snapshot`)."""
     absent: Sequence[str] = ()
     """Names among ``names`` not recorded at this step (their raw rows are ignored and
     their stat vectors stored as all-NaN: "not recorded", e.g. a frozen weight read only
@@ -878,18 +1054,22 @@ def _check_part(spec: TensorSpec, p: Part, step: int) -> None:
         )
 
 
-def _check_against_spec(spec: TensorSpec, a: np.ndarray, step: int) -> None:
+def _check_against_spec(
+    spec: TensorSpec, a: np.ndarray, step: int, shape: tuple[int, ...] | None = None
+) -> None:
+    """``a`` (of ``shape``, default its own) has the spec's dtype and shape."""
     if a.dtype.name != spec.dtype:
         raise RecordError(
             f"tensor {spec.name!r} ({spec.kind.value}) at step {step}: dtype {a.dtype.name}, "
             f"expected {spec.dtype}"
         )
-    ok = len(a.shape) == len(spec.shape) and all(
-        d is None or d == s for d, s in zip(spec.shape, a.shape, strict=False)
+    shape = a.shape if shape is None else shape
+    ok = len(shape) == len(spec.shape) and all(
+        d is None or d == s for d, s in zip(spec.shape, shape, strict=False)
     )
     if not ok:
         raise RecordError(
-            f"tensor {spec.name!r} ({spec.kind.value}) at step {step}: shape {list(a.shape)}, "
+            f"tensor {spec.name!r} ({spec.kind.value}) at step {step}: shape {list(shape)}, "
             f"expected {spec.shape}"
         )
 

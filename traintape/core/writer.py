@@ -8,6 +8,13 @@ for the whole block, issues snapshot writes as they arrive, waits until every wr
 durable, and only then rewrites the manifest with the new commit mark — atomically, as
 a single kvstore write of the root ``zarr.json``. A process killed at any instant
 therefore leaves a store whose manifest describes only durable data.
+
+Snapshot shards of a local store without compression are written straight to their
+files (:class:`_DirectShard`: the bytes TensorStore would write, without its copies;
+fsync, rename and directory fsync in a small I/O pool, like TensorStore's file kvstore),
+and may arrive piece by piece (:class:`Piece`, a streamed snapshot): the writer encodes
+each piece as it comes, so a snapshot of any size needs a bounded amount of host memory.
+Everything else goes through TensorStore.
 """
 
 from __future__ import annotations
@@ -15,14 +22,17 @@ from __future__ import annotations
 import bisect
 import contextlib
 import functools
+import itertools
 import json
 import logging
+import math
 import os
 import queue
 import threading
 import time
 import warnings
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,13 +83,199 @@ class Part:
 
 
 @dataclass
+class Piece:
+    """Rows ``[start, start + len(data))`` along axis 0 of one tensor of a *streamed*
+    snapshot (canonical layout, a private host copy the writer owns): an adapter hands a
+    large tensor over piece by piece, so host memory holds at most the writer's byte
+    budget of it (:meth:`traintape.core.recorder.Recorder.stream_snapshot`)."""
+
+    data: np.ndarray
+    start: int
+    shape: tuple[int, ...]
+    """The whole tensor's shape."""
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+
+try:  # the C implementation (a dependency of zarr): checksums at memory speed
+    import google_crc32c as _crc32c
+
+    _CRC = _crc32c if getattr(_crc32c, "implementation", "c") == "c" else None
+except ImportError:  # pragma: no cover - zarr requires it
+    _CRC = None
+
+_IOV = 1020  # iovecs per writev (IOV_MAX is 1024 on Linux)
+_TMP = itertools.count()
+STREAM_BYTES = 192 << 20
+"""Streamed snapshot pieces (:class:`Piece`) held at most (copied, not yet written)
+before the training thread waits: the extra host memory of a full snapshot of any size
+(pieces are a quarter of it)."""
+_FILL = {"f": np.nan, "b": False, "i": -1, "u": 0}  # the arrays' fill values (layout)
+
+
+def direct_geometry(
+    shape: tuple[int, ...], dtype: np.dtype, chunk_bytes: int
+) -> tuple[int, int] | None:
+    """``(split_axis, rows_per_chunk)`` when the shard of a snapshot of ``shape`` can be
+    written straight from a C-ordered array: every inner chunk
+    (:func:`traintape.core.layout.inner_chunk`) is one contiguous range of it (axes before
+    ``split_axis`` have chunk size 1, axes after it are whole). None: write through
+    TensorStore (zero-size axes, big-endian or non-numeric dtypes, no fast crc32c)."""
+    if _CRC is None or dtype.kind not in "fiub" or dtype.byteorder == ">" or 0 in shape:
+        return None
+    if dtype.byteorder == "=" and np.little_endian is False:  # pragma: no cover
+        return None
+    inner = L.inner_chunk(shape, dtype.itemsize, chunk_bytes)
+    split = max((i for i, (c, s) in enumerate(zip(inner, shape, strict=True)) if c != s), default=0)
+    if any(c != 1 for c in inner[:split]):
+        return None
+    return split, (inner[split] if shape else 1)
+
+
+def stream_rows(shape: tuple[int, ...], dtype: np.dtype, chunk_bytes: int, target: int) -> int:
+    """Rows (axis 0) per :class:`Piece` of a streamed tensor: about ``target`` bytes,
+    whole inner chunks (so the writer can encode each piece as it comes)."""
+    if not shape:
+        return 1
+    geo = direct_geometry(shape, dtype, chunk_bytes)
+    row = math.prod(shape[1:]) * dtype.itemsize
+    step = geo[1] if geo is not None and geo[0] == 0 else 1
+    rows = max(step, (max(target, 1) // max(row, 1)) // step * step)
+    return min(rows, shape[0])
+
+
+class _DirectShard:
+    """One snapshot shard (one tensor at one snapshot) written straight to its file in
+    the Zarr v3 ``sharding_indexed`` format the array's metadata declares
+    (:func:`traintape.core.layout.snapshot_metadata` with ``compression='none'``): each
+    inner chunk's bytes (padded with the fill value past the array's end) and its crc32c,
+    then the index and its crc32c. The same bytes TensorStore would write, without its
+    copies: the data go from the caller's array to the file (``writev``), piece by piece.
+
+    Like TensorStore's file kvstore, the shard is written to ``<key>.<n>.__lock``, then
+    :meth:`finish` (in the writer's I/O pool) fsyncs it, renames it into place and fsyncs
+    the directory: the future it returns is durable data."""
+
+    def __init__(
+        self, path: str, shape: tuple[int, ...], dtype: np.dtype, geometry: tuple[int, int]
+    ) -> None:
+        self.path = path
+        self.tmp = f"{path}.{next(_TMP)}.__lock"  # unique: an earlier one may be in flight
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+        split, k = geometry
+        self.shape = shape
+        self.dtype = dtype
+        self.n = shape[split] if shape else 1  # extent of the split axis
+        self.k = k  # its rows per chunk
+        self.per_row = math.prod(shape[split + 1 :]) * dtype.itemsize  # bytes per split row
+        self.lead = math.prod(shape[:split])
+        self.chunks_along = -(-self.n // k)
+        self.total = math.prod(shape) * dtype.itemsize
+        self.done = 0  # bytes of the tensor consumed
+        self.rows = 0  # axis-0 rows consumed
+        self.offset = 0  # bytes written to the file
+        self.index = np.empty((self.lead * self.chunks_along, 2), dtype="<u8")
+        self.chunk = 0  # next inner chunk (C order)
+        fill = np.full(k * self.per_row // dtype.itemsize, _FILL[dtype.kind], dtype=dtype)
+        self.fill = fill.view(np.uint8)
+
+    @property
+    def complete(self) -> bool:
+        return self.done == self.total
+
+    def add(self, data: np.ndarray, start: int) -> None:
+        """Write rows ``[start, start + len(data))`` (axis 0) — the next rows, ending on
+        an inner chunk's boundary or at the tensor's end."""
+        if start != self.rows:
+            raise StoreError(f"{self.path}: piece at row {start}, expected row {self.rows}")
+        flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        end = self.done + flat.nbytes
+        bufs: list[Any] = []
+        pos = 0
+        while self.done + pos < end:
+            q = self.chunk % self.chunks_along
+            valid = min(self.k, self.n - q * self.k) * self.per_row
+            if pos + valid > flat.nbytes:
+                raise StoreError(f"{self.path}: a piece ends inside an inner chunk")
+            part = flat[pos : pos + valid]
+            pad = self.k * self.per_row - valid
+            crc = _CRC.value(part)  # type: ignore[union-attr]
+            bufs.append(part)
+            if pad:
+                crc = _CRC.extend(crc, self.fill[:pad])  # type: ignore[union-attr]
+                bufs.append(self.fill[:pad])
+            bufs.append(crc.to_bytes(4, "little"))
+            size = valid + pad + 4
+            self.index[self.chunk] = (self.offset, size)
+            self.offset += size
+            self.chunk += 1
+            pos += valid
+            if len(bufs) >= _IOV - 3:
+                self._writev(bufs)
+                bufs = []
+        self._writev(bufs)
+        self.done = end
+        self.rows += int(data.shape[0]) if data.ndim else 1
+
+    def _writev(self, bufs: list[Any]) -> None:
+        if not bufs:
+            return
+        want = sum(memoryview(b).nbytes for b in bufs)
+        n = os.writev(self.fd, bufs)
+        if n < want:  # a short write: the rest one buffer at a time
+            rest = b"".join(bytes(memoryview(b).cast("B")) for b in bufs)[n:]
+            while rest:
+                rest = rest[os.write(self.fd, rest) :]
+
+    def finish(self) -> Callable[[], None]:
+        """Write the index; returns the durable part (fsync, rename, directory fsync), to
+        run in the writer's I/O pool."""
+        idx = self.index.tobytes()
+        self._writev([idx, _CRC.value(idx).to_bytes(4, "little")])  # type: ignore[union-attr]
+        fd, tmp, path = self.fd, self.tmp, self.path
+        self.fd = -1
+
+        def durable() -> None:
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+            d = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(d)
+            finally:
+                os.close(d)
+
+        return durable
+
+    def abort(self) -> None:
+        """Drop an unfinished shard (a streamed snapshot that never completed)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        with contextlib.suppress(OSError):
+            os.remove(self.tmp)
+
+
+@dataclass
 class Snapshot:
     """Full tensors of one kind at one step, in canonical layout (owned by the writer):
-    whole arrays, or this process's :class:`Part` of a tensor of a multi-process job."""
+    whole arrays, this process's :class:`Part` of a tensor of a multi-process job, or
+    :class:`Piece` s of a streamed snapshot.
+
+    ``final`` False: a streamed snapshot goes on (more items of the same step and kind
+    follow); the snapshot counts (its step is written) only with its final item. A
+    streamed snapshot whose final item never comes is dropped when the next snapshot of
+    the kind starts (its slot is reused)."""
 
     step: int
     kind: Kind
-    tensors: dict[str, np.ndarray | Part]
+    tensors: dict[str, np.ndarray | Part | Piece]
+    final: bool = True
 
 
 @dataclass(frozen=True)
@@ -195,12 +391,20 @@ class StoreWriter(_QueueWorker):
         self.flush_every_seconds = flush_every_seconds
         self._queue: queue.Queue[Row | Snapshot | _Control] = queue.Queue(maxsize=max_pending)
         self.max_pending_bytes = max_pending_bytes
+        self.stream_bytes = min(max_pending_bytes, STREAM_BYTES)
+        """Bytes of streamed snapshot pieces held not yet written before a put waits."""
         self._bytes_cond = threading.Condition()
         self._pending_bytes = 0  # snapshot bytes handed over and not yet durable
         self._written_bytes = 0  # of those, issued to TensorStore since the last commit
         self._rows: list[Row] = []
+        # direct shard writes (local, uncompressed stores): open shards, the fsync pool
+        self._direct_root = local_path(url) if manifest.layout.compression == "none" else None
+        self._shards: dict[tuple[Kind, str], _DirectShard] = {}
+        self._open_snap: dict[Kind, int] = {}  # kind -> step of the snapshot being written
+        self._finishing: dict[str, Future[None]] = {}  # shard path -> its durable part
+        self._io: ThreadPoolExecutor | None = None
         self._deferred: list[_Control] = []
-        self._pending: list[ts.WriteFutures | ts.Future[Any]] = []
+        self._pending: list[ts.WriteFutures | ts.Future[Any] | Future[None]] = []
         self._arrays: dict[str, ts.TensorStore] = {}
         self._groups_written: set[str] = {""}
         self._committed_paths = L.committed_paths(manifest)
@@ -248,10 +452,11 @@ class StoreWriter(_QueueWorker):
         if isinstance(item, Snapshot):
             nbytes = sum(int(a.nbytes) for a in item.tensors.values())
             self._handed_bytes += nbytes
+            limit = self.max_pending_bytes if item.final else self.stream_bytes
             with self._bytes_cond:
                 while (
                     self._pending_bytes > 0
-                    and self._pending_bytes + nbytes > self.max_pending_bytes
+                    and self._pending_bytes + nbytes > limit
                     and self.error is None
                 ):
                     stalled = True
@@ -267,11 +472,35 @@ class StoreWriter(_QueueWorker):
                 self._writer_stats.stalls += 1
                 self._writer_stats.stall_seconds += time.perf_counter() - t0
 
-    def _release_bytes(self, everything: bool = False) -> None:
-        """Snapshots written by this commit are durable: let the training thread on."""
+    def wait_for_room(self, nbytes: int) -> None:
+        """Block (a counted stall) until ``nbytes`` more of streamed pieces fit
+        :attr:`stream_bytes` — called *before* a piece is copied to the host, so the
+        copy itself stays within the budget."""
+        t0 = time.perf_counter()
+        stalled = False
         with self._bytes_cond:
-            self._pending_bytes = 0 if everything else self._pending_bytes - self._written_bytes
-            self._written_bytes = 0
+            while (
+                self._pending_bytes > 0
+                and self._pending_bytes + nbytes > self.stream_bytes
+                and self.error is None
+            ):
+                stalled = True
+                self._bytes_cond.wait(0.1)
+        if stalled:
+            with self._stats_lock:
+                self._writer_stats.stalls += 1
+                self._writer_stats.stall_seconds += time.perf_counter() - t0
+
+    def _release_bytes(self, everything: bool = False, streamed: int = 0) -> None:
+        """Snapshots written by this commit are durable (or ``streamed`` bytes of pieces
+        are in their shard files, out of this process's memory): let the training
+        thread on."""
+        with self._bytes_cond:
+            if streamed:
+                self._pending_bytes -= streamed
+            else:
+                self._pending_bytes = 0 if everything else self._pending_bytes - self._written_bytes
+                self._written_bytes = 0
             self._bytes_cond.notify_all()
 
     # ------------------------------------------------------------------ writer thread
@@ -298,6 +527,7 @@ class StoreWriter(_QueueWorker):
             if isinstance(item, _Control):
                 if item.op == "close":
                     self._guarded(lambda: self._commit(final=True))
+                    self._drop_io()
                     item.done.set()
                     return
                 self._guarded(self._commit)
@@ -312,7 +542,10 @@ class StoreWriter(_QueueWorker):
                     self._guarded(self._commit)
             else:
                 self._guarded(functools.partial(self._write_snapshot, item))
-                if self._written_bytes >= self.max_pending_bytes // 2:
+                if (
+                    self._written_bytes
+                    >= (self.max_pending_bytes if item.final else self.stream_bytes) // 2
+                ):
                     self._guarded(self._commit)  # make them durable: frees the byte budget
 
     def _take_backlog(self) -> None:
@@ -350,10 +583,22 @@ class StoreWriter(_QueueWorker):
         if self._claim is not None:
             self._claim.release()
 
+    def _drop_io(self) -> None:
+        """Abort unfinished shards and end the fsync pool (its queued work runs first)."""
+        for shard in self._shards.values():
+            shard.abort()
+        self._shards.clear()
+        self._open_snap.clear()
+        self._finishing.clear()
+        if self._io is not None:
+            self._io.shutdown(wait=True)
+            self._io = None
+
     def _fail(self, e: BaseException) -> None:
         self.error = e
         self._rows.clear()
         self._pending.clear()
+        self._drop_io()
         self._release_bytes(everything=True)
         lost = self._claim is not None and not self._claim.held
         if lost:  # the store is gone or another writer owns it: say so, write nothing
@@ -443,31 +688,44 @@ class StoreWriter(_QueueWorker):
 
     # ------------------------------------------------------------------ writes
     def _write_snapshot(self, snap: Snapshot) -> None:
+        """Write the tensors of ``snap`` into its snapshot slot (the next index of its
+        kind, or the slot of the streamed snapshot of the same step it continues); the
+        final item writes the step, which makes the slot a snapshot. Whole arrays and
+        pieces of a local uncompressed store go straight to their shard files
+        (:class:`_DirectShard`), anything else through TensorStore."""
         kind = snap.kind
         steps = self._snap_steps.setdefault(kind, [])
         index = len(steps)
-        cap = self._snap_capacity.get(kind, 0)
-        grow = index >= cap
-        new_cap = cap + L.SNAPSHOT_BLOCK if grow else cap
+        if self._open_snap.get(kind) not in (None, snap.step):
+            self._abort_stream(kind)  # never completed: its slot is reused
         sp = L.snapshot_steps_path(kind)
-        if not self._exists(sp):
-            self._create(
-                sp,
-                L.row_array_metadata(self.layout, new_cap, (), "int64", [f"snapshot_{kind.value}"]),
-            )
-        elif grow:
-            self._arrays[sp] = self._open(sp).resize(exclusive_max=[new_cap]).result()
+        if kind not in self._open_snap:  # a new slot
+            cap = self._snap_capacity.get(kind, 0)
+            new_cap = cap + L.SNAPSHOT_BLOCK if index >= cap else cap
+            if not self._exists(sp):
+                meta = L.row_array_metadata(
+                    self.layout, new_cap, (), "int64", [f"snapshot_{kind.value}"]
+                )
+                self._create(sp, meta)
+            elif new_cap > cap:
+                self._arrays[sp] = self._open(sp).resize(exclusive_max=[new_cap]).result()
+            self._snap_capacity[kind] = new_cap
+            self._open_snap[kind] = snap.step
+        new_cap = self._snap_capacity[kind]
+        streamed = 0  # bytes of pieces written to their shard files
         for name, value in snap.tensors.items():
             path = L.snapshot_path(kind, name)
+            if isinstance(value, Part):
+                shape, dtype, block = value.shape, value.dtype, value.block
+            elif isinstance(value, Piece):
+                shape, dtype, block = value.shape, value.data.dtype.name, None
+            else:
+                shape, dtype, block = value.shape, value.dtype.name, None
             if not self._exists(path):
-                if isinstance(value, Part):
-                    shape, dtype, block = value.shape, value.dtype, value.block
-                else:
-                    shape, dtype, block = value.shape, value.dtype.name, None
                 self._create(
                     path, L.snapshot_metadata(self.layout, name, new_cap, shape, dtype, block)
                 )
-            elif grow or self._open(path).shape[0] < new_cap:
+            elif self._open(path).shape[0] < new_cap:
                 arr = self._open(path)
                 self._arrays[path] = arr.resize(
                     exclusive_max=[new_cap, *arr.shape[1:]], expand_only=True
@@ -478,12 +736,93 @@ class StoreWriter(_QueueWorker):
                     continue
                 sel = part_index(index, value)
                 self._pending.append(self._arrays[path][sel].write(value.data))
+                self._written_bytes += value.nbytes
+                continue
+            if isinstance(value, Piece):
+                data, start = value.data, value.start
             else:
-                self._pending.append(self._arrays[path][index].write(value))
-            self._written_bytes += value.nbytes
-        self._pending.append(self._arrays[sp][index].write(np.int64(snap.step)))
-        self._snap_capacity[kind] = new_cap
-        steps.append(snap.step)
+                data, start = value, 0
+            shard = self._shards.get((kind, name))
+            if shard is not None and start == 0:  # put again from its start: begin anew
+                self._shards.pop((kind, name)).abort()
+                shard = None
+            if shard is None and start == 0:
+                shard = self._direct_shard(path, index, tuple(shape), np.dtype(dtype))
+            if shard is not None:
+                self._shards[(kind, name)] = shard
+                shard.add(data, start)
+                if shard.complete:
+                    del self._shards[(kind, name)]
+                    done = self._io_pool().submit(shard.finish())
+                    self._finishing[shard.path] = done
+                    self._pending.append(done)
+                if isinstance(value, Piece):  # in the file: out of our memory
+                    streamed += value.nbytes
+                else:
+                    self._written_bytes += value.nbytes
+            elif start == 0 and tuple(data.shape) == tuple(shape):
+                # ours (the recorder hands over owned arrays): TensorStore need not copy it
+                self._pending.append(
+                    self._arrays[path][index].write(
+                        data, can_reference_source_data_indefinitely=True
+                    )
+                )
+                self._written_bytes += value.nbytes
+            else:
+                raise StoreError(
+                    f"{path}: piece at row {start} of a tensor this store cannot stream "
+                    f"(only whole tensors; see Recorder.stream_snapshot)"
+                )
+        if streamed:  # drop our references first: the stream may copy the next piece
+            snap.tensors.clear()
+            del value, data
+            self._release_bytes(streamed=streamed)
+        if snap.final:
+            unfinished = sorted(n for k, n in self._shards if k == kind)
+            if unfinished:
+                self._abort_stream(kind)
+                raise StoreError(
+                    f"snapshot of {kind.value} at step {snap.step}: tensors {unfinished} "
+                    f"were not handed over completely"
+                )
+            self._pending.append(self._arrays[sp][index].write(np.int64(snap.step)))
+            steps.append(snap.step)
+            del self._open_snap[kind]
+
+    def _direct_shard(
+        self, path: str, index: int, shape: tuple[int, ...], dtype: np.dtype
+    ) -> _DirectShard | None:
+        """A direct writer of the shard of snapshot ``index`` of the array at ``path``,
+        or None (a remote or compressed store, or a tensor TensorStore must write)."""
+        if self._direct_root is None:
+            return None
+        geo = direct_geometry(shape, dtype, self.layout.snapshot_chunk_bytes)
+        if geo is None:
+            return None
+        key = "/".join(["c", str(index), *("0" * len(shape))])
+        full = os.path.join(self._direct_root, path, key)
+        earlier = self._finishing.pop(full, None)
+        if earlier is not None:  # the same shard again (a retried stream): in order
+            earlier.result()
+        return _DirectShard(full, shape, dtype, geo)
+
+    @property
+    def streams_pieces(self) -> bool:
+        """Whether this store takes :class:`Piece` s smaller than a whole tensor (a
+        local uncompressed store: each piece is encoded into its shard as it comes)."""
+        return self._direct_root is not None
+
+    def _io_pool(self) -> ThreadPoolExecutor:
+        if self._io is None:
+            self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="traintape-fsync")
+        return self._io
+
+    def _abort_stream(self, kind: Kind) -> None:
+        """Drop the streamed snapshot of ``kind`` that never completed (its shards beyond
+        the committed snapshots are overwritten by the next one or trimmed at close)."""
+        for key in [k for k in self._shards if k[0] == kind]:
+            self._shards.pop(key).abort()
+        self._open_snap.pop(kind, None)
 
     def _commit(self, final: bool = False) -> None:
         """One commit, in three steps (the order is the crash-safety argument of the
@@ -556,6 +895,7 @@ class StoreWriter(_QueueWorker):
             f.result()  # durable (file kvstore fsyncs) before the commit mark moves
         self._wait_for_followers(plan.followers_need)
         self._pending.clear()
+        self._finishing.clear()
         self._release_bytes()
         self._rows = []
 

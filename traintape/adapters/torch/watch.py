@@ -82,8 +82,20 @@ import torch
 from torch import nn
 
 from traintape.adapters.torch import stats as S
-from traintape.adapters.torch.dist import counts_here, full, is_dtensor, local, snapshot_part
-from traintape.adapters.torch.host import canonical_host_copy, host_copy, numpy_dtype_name
+from traintape.adapters.torch.dist import (
+    counts_here,
+    full,
+    is_dtensor,
+    local,
+    shard_start,
+    snapshot_part,
+)
+from traintape.adapters.torch.host import (
+    canonical_host_copy,
+    canonical_reader,
+    host_copy,
+    numpy_dtype_name,
+)
 from traintape.adapters.torch.names import (
     ActivationSite,
     ModelLayout,
@@ -98,9 +110,20 @@ from traintape.core.naming import NameMap
 from traintape.core.recorder import KindRows, Recorder
 from traintape.core.writer import Part
 from traintape.schema import Kind, TensorSpec
-from traintape.schema.stats import merge
+from traintape.schema.stats import IndexMap, index_map, merge
 
 ADAPTER = "traintape.torch"
+
+
+def _index_map(
+    e: ParamEntry, held: tuple[int, ...], start: tuple[int, ...] | None = None
+) -> IndexMap | None:
+    """The :class:`~traintape.schema.stats.IndexMap` of the part ``held`` (its shape)
+    of ``e``'s source tensor starting at source index ``start`` (None: all of it); the
+    identity for a tensor whose rank is not ``e``'s (a scalar optimizer state)."""
+    if len(held) != len(e.source_shape) or (start is None and held != tuple(e.source_shape)):
+        return None
+    return index_map(e.source_shape, e.permutation, start=start)
 
 
 def _spec(e: ParamEntry, kind: Kind) -> TensorSpec:
@@ -207,7 +230,8 @@ class WatchHandle:
         self._declare_params()
         # per-step device state: raw stat blocks per kind (merged at the step's end)
         self._pending: dict[Kind, list[tuple[list[str], torch.Tensor, list[bool]]]] = {}
-        self._snaps: dict[Kind, dict[str, np.ndarray]] = {}
+        # per kind: host copies (activations; multi-process blocks) or a SnapshotStream
+        self._snaps: dict[Kind, Any] = {}
         self._theta: list[torch.Tensor] | None = None
         self._act_raw: dict[str, torch.Tensor] = {}
         self._act_stash: list[tuple[ActivationSite, torch.Tensor]] = []
@@ -372,7 +396,36 @@ class WatchHandle:
         or state yet) under ``names``: what this process holds of each
         (:meth:`_shard`), stashed with whether it counts in the merge over processes."""
         shards = [self._shard(e, t) for e, t in tensors]
-        self._add(kind, names, S.raw_stats([x for x, _ in shards]), [h for _, h in shards])
+        raw = S.raw_stats([x for x, _, _ in shards], [m for _, _, m in shards])
+        self._add(kind, names, raw, [h for _, h, _ in shards])
+
+    def _take_snapshots(
+        self,
+        kind: Kind,
+        items: list[tuple[str, ParamEntry, torch.Tensor | None, torch.dtype]],
+    ) -> None:
+        """Snapshots of ``items`` (name, entry, tensor in source layout, dtype) on a
+        full-capture step, taken now (the values change after this hook).
+
+        One process: each tensor is *streamed* to the writer (:meth:`Recorder.stream_snapshot`)
+        — copied to the host a piece at a time, each piece handed over at once, waiting
+        while the writer holds its byte budget — so a full snapshot needs a bounded amount
+        of host memory, not the model's size. A multi-process job hands each process's
+        blocks over whole at the end of the step (:meth:`_snapshot`)."""
+        t = self.step_index
+        if self.rec.group.count > 1:
+            if self.rec.snapshots(t, kind):
+                snaps = self._snaps.setdefault(kind, {})
+                snaps.update({n: self._snapshot(e, v, dt) for n, e, v, dt in items})
+            return
+        if kind not in self._snaps:  # one decision per step and kind (buffers, then params)
+            self._snaps[kind] = self.rec.stream_snapshot(t, kind)
+        stream = self._snaps[kind]
+        if stream is None:
+            return
+        for n, e, v, dt in items:
+            shape, dtype, read = canonical_reader(e, _part(e, full(v)), dt)
+            stream.put(n, shape, dtype, read)
 
     def _snapshot(self, e: ParamEntry, t: torch.Tensor | None, dtype: torch.dtype) -> Any:
         """Host copy of ``t`` (``e``'s tensor, source layout) for a snapshot, canonical
@@ -391,14 +444,23 @@ class WatchHandle:
             return Part(None, (0,) * len(shape), shape, shape, numpy_dtype_name(dtype))
         return canonical_host_copy(e, whole, dtype)
 
-    def _shard(self, e: ParamEntry, t: torch.Tensor | None) -> tuple[torch.Tensor | None, bool]:
-        """What this process reduces of ``t`` (``e``'s tensor, source layout) and whether
-        it counts in the merge over processes (:func:`~traintape.adapters.torch.dist.counts_here`).
-        A row block of a sharded tensor is cut from the whole one (a collective)."""
-        if t is not None and is_dtensor(t) and e.rows is not None:
-            return e.part(full(t)), self._rank == 0
+    def _shard(
+        self, e: ParamEntry, t: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, bool, IndexMap | None]:
+        """What this process reduces of ``t`` (``e``'s tensor, source layout), whether
+        it counts in the merge over processes (:func:`~traintape.adapters.torch.dist.counts_here`)
+        and where its elements sit in the canonical tensor (the ``sig`` statistic's
+        :class:`~traintape.schema.stats.IndexMap`: ``e``'s permutation, and the offset
+        of a local shard). A row block of a sharded tensor, or a tensor sharded other
+        than in plain blocks, is cut from the whole one (a collective)."""
+        start = shard_start(t)
+        if t is not None and is_dtensor(t) and (e.rows is not None or start is None):
+            return e.part(full(t)), self._rank == 0, _index_map(e, e.source_shape)
         x = local(t)
-        return (None if x is None else e.part(x)), counts_here(t, self._rank)
+        if x is None:
+            return None, counts_here(t, self._rank), None
+        x = e.part(x)
+        return x, counts_here(t, self._rank), _index_map(e, tuple(x.shape), start)
 
     def _boundary(self) -> None:
         """Start step ``step_index`` before its first forward pass: reset the per-step
@@ -432,10 +494,9 @@ class WatchHandle:
             return
         self._add_tensors(Kind.PARAM, [e.name for e in entries],
                           [(e, e.tensor().detach()) for e in entries])  # fmt: skip
-        if rec.snapshots(t, Kind.PARAM):
-            self._snaps.setdefault(Kind.PARAM, {}).update(
-                {e.name: self._snapshot(e, e.tensor().detach(), e.tensor().dtype) for e in entries}
-            )
+        self._take_snapshots(
+            Kind.PARAM, [(e.name, e, e.tensor().detach(), e.tensor().dtype) for e in entries]
+        )
 
     def _copy_theta(self) -> None:
         """Copy θ_t of the trainable parameters (for ``update``), or drop the copy."""
@@ -477,11 +538,9 @@ class WatchHandle:
             return
         self._add_tensors(Kind.GRAD, [e.name for e in self.train_entries],
                           [(e, e.tensor().grad) for e in self.train_entries])  # fmt: skip
-        if self.rec.snapshots(t, Kind.GRAD):
-            self._snaps[Kind.GRAD] = {
-                e.name: self._snapshot(e, e.tensor().grad, e.tensor().dtype)
-                for e in self.train_entries
-            }
+        self._take_snapshots(
+            Kind.GRAD, [(e.name, e, e.tensor().grad, e.tensor().dtype) for e in self.train_entries]
+        )
 
     def _updates(self) -> None:
         t = self.step_index
@@ -494,11 +553,10 @@ class WatchHandle:
         by_id = {id(p): _like(p, d) for p, d in zip(live, diff, strict=True)}
         self._add_tensors(Kind.UPDATE, [e.name for e in self.train_entries],
                           [(e, by_id[id(e.tensor())]) for e in self.train_entries])  # fmt: skip
-        if self.rec.snapshots(t, Kind.UPDATE):
-            self._snaps[Kind.UPDATE] = {}
-            for e in self.train_entries:
-                u = by_id[id(e.tensor())]
-                self._snaps[Kind.UPDATE][e.name] = self._snapshot(e, u, e.tensor().dtype)
+        self._take_snapshots(
+            Kind.UPDATE,
+            [(e.name, e, by_id[id(e.tensor())], e.tensor().dtype) for e in self.train_entries],
+        )
 
     def _opt_state(self) -> None:
         """``opt_state`` after step t: parameter-shaped ``optimizer.state`` tensors."""
@@ -511,15 +569,25 @@ class WatchHandle:
         wholes = [leaf.whole(opt.optimizer) for leaf in leaves]
         self._add_tensors(Kind.OPT_STATE, [leaf.name for leaf in leaves],
                           [(leaf.entry, v) for leaf, v in zip(leaves, wholes, strict=True)])  # fmt: skip
-        if self.rec.snapshots(t, Kind.OPT_STATE):
-            self._snaps[Kind.OPT_STATE] = {
-                leaf.name: self._snapshot(leaf.entry, v, leaf.dtype)
+        self._take_snapshots(
+            Kind.OPT_STATE,
+            [
+                (leaf.name, leaf.entry, v, leaf.dtype)
                 for leaf, v in zip(leaves, wholes, strict=True)
-            }
+            ],
+        )
 
     def _reduce_activations(self) -> None:
         stash, self._act_stash = self._act_stash, []
-        raw = S.raw_stats([t for _, t in stash])
+        # the batch axis is free: the sig pattern runs over the per-example canonical
+        # index, so micro-batches and data-parallel parts merge exactly
+        maps = [
+            index_map(t.shape, activation_permutation(site.module, t), batch=True)
+            if t.ndim
+            else None
+            for site, t in stash
+        ]
+        raw = S.raw_stats([t for _, t in stash], maps)
         for i, (site, _) in enumerate(stash):
             row = raw[i : i + 1]
             prev = self._act_raw.get(site.name)
