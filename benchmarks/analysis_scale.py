@@ -53,6 +53,7 @@ print(json.dumps({"seconds": dt, "rss_mib": resource.getrusage(resource.RUSAGE_S
 def make_store(url: str, steps: int, tensors: int, perturb: bool) -> None:
     import traintape
     from traintape import TensorSpec
+    from traintape.schema import STAT_INDEX, STAT_NAMES
 
     names = [f"layers/{i // 2}/dense/{'kernel' if i % 2 == 0 else 'bias'}" for i in range(tensors)]
     rng = np.random.default_rng(0)
@@ -66,16 +67,17 @@ def make_store(url: str, steps: int, tensors: int, perturb: bool) -> None:
             for k in kinds:
                 walk = base[k] * (1 + 0.01 * rng.standard_normal(tensors))
                 base[k] = walk
-                v = np.empty((tensors, 9))
-                v[:, 0] = walk * 0.01  # mean
-                v[:, 1] = walk  # std
-                v[:, 2], v[:, 3] = -3 * walk, 3 * walk  # min, max
-                v[:, 4] = walk * 64  # l2
-                v[:, 5] = walk * 0.8  # abs_mean
-                v[:, 6] = 0.0  # zero_frac
-                v[:, 7:] = 0.0  # nan, inf counts
+                v = np.zeros((tensors, len(STAT_NAMES)))  # nan/inf counts, zero_frac: 0
+                col = {s: v[:, STAT_INDEX[s]] for s in STAT_NAMES}
+                col["mean"][:] = walk * 0.01
+                col["std"][:] = walk
+                col["min"][:], col["max"][:] = -3 * walk, 3 * walk
+                col["l2"][:] = walk * 64
+                col["abs_mean"][:] = walk * 0.8
+                if "sig" in col:  # layout signature: ~N(0, 1) for unstructured data
+                    col["sig"][:] = rng.standard_normal(tensors)
                 if perturb and t >= 3 * steps // 4 and k == kinds[-1]:
-                    v[0, 4] *= 1.5
+                    v[0, STAT_INDEX["l2"]] *= 1.5
                 rec.record_stats(t, k, v, names=names)
             rec.log(t, loss=float(1.0 / (1 + t) + 0.01 * rng.standard_normal()))
 

@@ -123,8 +123,7 @@ def _as_v1_3(run_dir: str) -> None:
 def test_v1_3_store_without_sig_reads_validates_and_compares(tmp_path) -> None:
     """A store of the stat vector before ``sig`` reads with its own statistics (``sig``
     not recorded), validates, and compares with a current store on the statistics both
-    have — compare says which it skipped; this build refuses to append to it."""
-    from traintape.core.errors import RecordError
+    have — compare says which it skipped."""
     from traintape.schema.stats import STAT_NAMES
 
     old, new = str(tmp_path / "old"), str(tmp_path / "new")
@@ -141,8 +140,28 @@ def test_v1_3_store_without_sig_reads_validates_and_compares(tmp_path) -> None:
         rep = tt.compare(a, b)
         assert rep.identical, rep
         assert any("['sig'] not compared" in n for n in rep.notes), rep.notes
-    with pytest.raises(RecordError, match="stat vector"):
-        tt.Recorder(old)
+
+
+def test_v1_3_store_resumes_with_its_own_stat_vector(tmp_path) -> None:
+    """Appending to a store of an older stat vector keeps that vector: the new rows carry
+    its columns (selected by name from this build's), the store validates, and the whole
+    history equals a store recorded in one go, on the statistics it has."""
+    from traintape.schema.stats import STAT_NAMES
+
+    old, ref = str(tmp_path / "old"), str(tmp_path / "ref")
+    _record(old, range(3))
+    _as_v1_3(old)
+    _record(old, range(3, 6))  # resume: 3 more steps
+    _record(ref, range(6))
+    run, want = tt.open_run(old), tt.open_run(ref)
+    assert run.manifest.stat_names == list(STAT_NAMES[:9])
+    assert list(run.steps) == list(range(6))
+    assert tt.validate(old).ok
+    cols = list(STAT_NAMES[:9])
+    np.testing.assert_array_equal(
+        run.stats("param")[cols].to_numpy(), want.stats("param")[cols].to_numpy()
+    )
+    assert tt.compare(old, ref).identical
 
 
 def test_migrate_gives_a_pre_1_4_document_without_stat_names_the_old_vector() -> None:

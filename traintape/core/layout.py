@@ -150,9 +150,13 @@ def row_array_metadata(
     }
 
 
-def stats_metadata(layout: StoreLayout, kind: str, rows: int, n_tensors: int) -> dict[str, Any]:
+def stats_metadata(
+    layout: StoreLayout, kind: str, rows: int, n_tensors: int, n_stats: int = N_STATS
+) -> dict[str, Any]:
+    """Metadata of a kind's stat array ``[rows, n_tensors, n_stats]`` (``n_stats``: the
+    store's own stat vector, ``len(manifest.stat_names)``)."""
     return row_array_metadata(
-        layout, rows, (n_tensors, N_STATS), "float64", ["row", f"tensor_{kind}", "stat"]
+        layout, rows, (n_tensors, n_stats), "float64", ["row", f"tensor_{kind}", "stat"]
     )
 
 

@@ -81,7 +81,7 @@ from traintape.schema import (
     finalize,
 )
 from traintape.schema.policy import StepPlan
-from traintape.schema.stats import STAT_NAMES, activation_map
+from traintape.schema.stats import activation_map
 
 
 def default_producer(**fields: Any) -> Producer:
@@ -284,13 +284,8 @@ class Recorder:
                 existing = rewound
         if existing is not None:
             m = existing
-            if tuple(m.stat_names) != STAT_NAMES:
-                raise RecordError(
-                    f"store {self.url} holds the stat vector {m.stat_names} (an older "
-                    f"schema's); this build records "
-                    f"{list(STAT_NAMES)} and cannot append to it: record into a new store "
-                    f"(the old one stays readable, and compare works across the two)"
-                )
+            # an older schema's stat vector (a subset of this build's) stays the store's:
+            # appended rows keep its columns (the writer selects them by name)
             if policy is not None and policy != m.policy:
                 raise RecordError(
                     f"store {self.url} was recorded with policy {m.policy.model_dump()}; "

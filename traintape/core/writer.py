@@ -44,7 +44,7 @@ from traintape.core.claim import WriterClaim
 from traintape.core.errors import StoreError
 from traintape.core.kvstore import KvStore, local_path
 from traintape.core.store import open_array, write_manifest
-from traintape.schema import N_STATS, CommitMark, Kind, Manifest
+from traintape.schema import STAT_INDEX, STAT_NAMES, CommitMark, Kind, Manifest
 
 log = logging.getLogger("traintape")
 
@@ -310,12 +310,15 @@ def _row_blocks(m: Manifest, rows: list[Row]) -> dict[str, np.ndarray]:
     each kind (NaN where a row has none of the kind), each metric (NaN where not logged)."""
     n = len(rows)
     blocks = {L.STEPS: np.fromiter((r.step for r in rows), dtype=np.int64, count=n)}
+    # the store's own stat vector: this build's, or an older schema's subset of it (a
+    # resumed older store keeps its columns; the rows carry this build's full vectors)
+    cols = None if tuple(m.stat_names) == STAT_NAMES else [STAT_INDEX[s] for s in m.stat_names]
     for kind in m.kinds():
-        block = np.full((n, len(m.specs(kind)), N_STATS), np.nan)
+        block = np.full((n, len(m.specs(kind)), len(m.stat_names)), np.nan)
         for i, r in enumerate(rows):
             v = r.stats.get(kind)
             if v is not None:
-                block[i] = v
+                block[i] = v if cols is None else v[:, cols]
         blocks[L.stats_path(kind)] = block
     for name in m.metrics:
         blocks[L.metric_path(name)] = np.fromiter(
@@ -678,7 +681,7 @@ class StoreWriter(_QueueWorker):
         arrays = {L.STEPS: L.row_array_metadata(self.layout, cap, (), "int64", ["row"])}
         for kind in m.kinds():
             arrays[L.stats_path(kind)] = L.stats_metadata(
-                self.layout, kind.value, cap, len(m.specs(kind))
+                self.layout, kind.value, cap, len(m.specs(kind)), len(m.stat_names)
             )
         for name in m.metrics:
             arrays[L.metric_path(name)] = L.row_array_metadata(
