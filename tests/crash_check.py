@@ -73,8 +73,27 @@ def kill_once(run_dir: str, rng: random.Random, scenario: str = "train") -> None
         assert line.startswith("closing"), f"child failed before close: {line!r}"
         time.sleep(rng.uniform(0.0, 0.05))
     else:
-        time.sleep(rng.uniform(0.0, 0.6))
+        # kill at a random moment once this child has committed something of its own: a
+        # loaded machine can take longer than any fixed delay to reach the first commit
+        # (then no trial would test a store with data); kills before the first commit
+        # are the ``create`` scenario's
+        _wait_for_commit(run_dir, int(line.split()[1]), p)
+        time.sleep(rng.uniform(0.0, 0.3))
     _kill(p)
+
+
+def _wait_for_commit(run_dir: str, first_step: int, p: subprocess.Popen[str]) -> None:
+    """Poll the commit mark until it covers ``first_step`` (30 s at most, or the child
+    ended)."""
+    deadline = time.monotonic() + 30.0
+    while time.monotonic() < deadline and p.poll() is None:
+        try:
+            last = tt.open_run(run_dir).manifest.commit.last_step
+        except Exception:  # mid-write manifest or arrays being created: look again
+            last = None
+        if last is not None and last >= first_step:
+            return
+        time.sleep(0.02)
 
 
 def verify(run_dir: str) -> int:
