@@ -43,6 +43,19 @@ def _report(a: str, b: str):
     return traintape.compare(a, b, tolerances=TOL, strict=True)
 
 
+def _same_verdict_from_stats_only(a, b, rep) -> None:
+    """A compare of the stat vectors alone (no snapshot is read: what the default policy
+    records) names the same first divergence — tensor, kind and step — as the full one."""
+    stats_only = traintape.compare(a, b, tolerances=TOL, strict=True, snapshots=False)
+    want, got = rep.first_divergence, stats_only.first_divergence
+    assert not stats_only.identical
+    assert (got.kind, got.tensor, got.first_step_out) == (
+        want.kind,
+        want.tensor,
+        want.first_step_out,
+    )
+
+
 def test_reference_is_reproducible(reference, tmp_path):
     """Control of the controls: a second correct run is identical (else nothing below
     would mean anything)."""
@@ -82,6 +95,7 @@ def test_untransposed_square_kernel(reference, tmp_path, monkeypatch):
     assert not rep.identical
     fd = rep.first_divergence
     assert (fd.kind, fd.tensor, fd.first_step_out) == ("activation", "attn/output", 0)
+    _same_verdict_from_stats_only(reference["transformer"], tmp_path / "bad", rep)
     assert rep.diff("attn/q/kernel", "grad").first_step_out == 0
     assert rep.diff("attn/q/kernel", "param").first_step_out == 1
     # tensors upstream of the attention are untouched at step 0
@@ -183,6 +197,7 @@ def test_llm_swapped_q_k(reference, tmp_path):
     rep = _report(reference["llm"], tmp_path / "qk")
     fd = rep.first_divergence
     assert (fd.kind, fd.tensor, fd.first_step_out) == ("activation", "attn/o/output", 0)
+    _same_verdict_from_stats_only(reference["llm"], tmp_path / "qk", rep)
     for name in ("attn/q/output", "attn/k/output", "attn/v/output"):
         assert rep.diff(name, "activation").first_step_out == 1, name
     for name in ("attn/q/kernel", "attn/k/kernel"):
@@ -207,6 +222,7 @@ def test_llm_wrong_rms_norm_epsilon(reference, tmp_path):
     rep = _report(reference["llm"], tmp_path / "rms")
     fd = rep.first_divergence
     assert (fd.kind, fd.tensor, fd.first_step_out) == ("activation", "attn_norm/output", 0)
+    _same_verdict_from_stats_only(reference["llm"], tmp_path / "rms", rep)
     assert rep.diff("embed/output", "activation").first_step_out != 0  # upstream: fine at 0
     assert rep.diff("attn/q/output", "activation").first_step_out == 0  # downstream
     assert rep.diff("attn_norm/scale", "grad").first_step_out == 0
@@ -237,6 +253,7 @@ def test_llm_one_step_late_gradient(reference, tmp_path):
     fd = rep.first_divergence
     assert (fd.kind, fd.first_step_out) == ("grad", 0)
     assert fd.tensor == "embed/embedding"  # the first layer in forward order
+    _same_verdict_from_stats_only(reference["llm"], tmp_path / "late", rep)
     run, ref = traintape.open_run(str(tmp_path / "late")), traintape.open_run(reference["llm"])
     for name in S.LLM.params:
         assert rep.diff(name, "grad").first_step_out == 0, name
