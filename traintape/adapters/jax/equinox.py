@@ -262,7 +262,7 @@ def _own_kind(eqx: Any, module: Any) -> str | None:
     if isinstance(module, eqx.nn.MultiheadAttention):
         return ATTENTION
     for f in dataclasses.fields(module):
-        x = getattr(module, f.name, None)
+        x: Any = getattr(module, f.name, None)
         if hasattr(x, "shape") and hasattr(x, "dtype"):
             lay = _role(eqx, module, f.name, tuple(x.shape))
             if lay is not None:
@@ -294,12 +294,13 @@ def _unbatch(out: Any, level: Any) -> tuple[Any, list[int]] | None:
     innermost first), or None when ``out`` cannot leave where it was computed (an
     unmapped axis, or a value of an inner trace: a ``lax.scan``/``cond``/``checkpoint``
     body — recording it would leak a tracer)."""
+    batch_tracer: Any
     try:
-        from jax._src.interpreters.batching import BatchTracer
+        from jax._src.interpreters.batching import BatchTracer as batch_tracer
     except Exception:  # pragma: no cover - a JAX without it: record unmapped values only
-        BatchTracer = ()  # type: ignore[assignment]
+        batch_tracer = ()
     dims: list[int] = []
-    while isinstance(out, BatchTracer) and out._trace is not level:
+    while isinstance(out, batch_tracer) and out._trace is not level:
         if not isinstance(out.batch_dim, int):
             return None
         dims.append(out.batch_dim)
