@@ -25,20 +25,21 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import textwrap
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 
 import traintape as tt
 from traintape.schema import N_STATS, TensorSpec
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _procs import MOTO, moto_server
 
 
 def spec(name: str, shape: tuple[int, ...], kind: str = "param") -> TensorSpec:
@@ -298,56 +299,35 @@ def bench_rss(d: str, gib: float) -> None:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def bench_s3(rounds: int, mib: int) -> None:
-    moto = Path(sys.executable).with_name("moto_server")
-    if shutil.which(str(moto)) is None:
+    if shutil.which(str(MOTO)) is None:
         print("(e) skipped: moto[server] is not installed")
         return
-    port = _free_port()
-    proc = subprocess.Popen(
-        [str(moto), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID",
-                                           "AWS_SECRET_ACCESS_KEY", "AWS_REGION")}  # fmt: skip
+    keys = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION")
+    saved = {k: os.environ.get(k) for k in keys}
     try:
-        for _ in range(100):
-            try:
-                urllib.request.urlopen(endpoint, timeout=1)
-                break
-            except OSError:
-                time.sleep(0.1)
-        urllib.request.urlopen(urllib.request.Request(f"{endpoint}/bench", method="PUT"))
-        os.environ.update(
-            AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="testing",
-            AWS_SECRET_ACCESS_KEY="testing", AWS_REGION="us-east-1",
-        )  # fmt: skip
-        arrays = snapshot_arrays(mib)
-        steps = 2
-        nbytes = sum(a.nbytes for a in arrays) * steps
-        rates = [
-            nbytes / traintape_snapshots(f"s3://bench/run{r}", arrays, steps) for r in range(rounds)
-        ]
-        print(
-            f"(e) reference: snapshots to S3 (local moto_server) {nbytes / 2**20:.0f} MiB/round: "
-            f"{statistics.median(rates) / 2**20:.0f} MiB/s (median of {rounds})"
-        )
+        with moto_server("bench") as endpoint:
+            os.environ.update(
+                AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="testing",
+                AWS_SECRET_ACCESS_KEY="testing", AWS_REGION="us-east-1",
+            )  # fmt: skip
+            arrays = snapshot_arrays(mib)
+            steps = 2
+            nbytes = sum(a.nbytes for a in arrays) * steps
+            rates = [
+                nbytes / traintape_snapshots(f"s3://bench/run{r}", arrays, steps)
+                for r in range(rounds)
+            ]
+            print(
+                f"(e) reference: snapshots to S3 (local moto_server) {nbytes / 2**20:.0f} "
+                f"MiB/round: {statistics.median(rates) / 2**20:.0f} MiB/s (median of {rounds})"
+            )
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        proc.kill()
-        proc.wait()
 
 
 def main() -> None:

@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+MOTO = Path(sys.executable).with_name("moto_server")
+"""The ``moto_server`` of this interpreter's environment (the ``moto[server]`` package)."""
 
 
 def free_port() -> int:
@@ -31,3 +40,27 @@ def run_all(
                 p.kill()
                 p.wait()
     return out
+
+
+@contextlib.contextmanager
+def moto_server(bucket: str) -> Iterator[str]:
+    """A local ``moto_server`` on a free 127.0.0.1 port with ``bucket`` created; yields its
+    endpoint URL and stops the server by PID on exit."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(MOTO), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(100):
+            try:
+                urllib.request.urlopen(url, timeout=1)
+                break
+            except OSError:
+                time.sleep(0.1)
+        urllib.request.urlopen(urllib.request.Request(f"{url}/{bucket}", method="PUT"))
+        yield url
+    finally:
+        proc.kill()
+        proc.wait()

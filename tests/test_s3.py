@@ -8,17 +8,14 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
-from pathlib import Path
 
 import numpy as np
 import pytest
-from _procs import free_port
+from _procs import MOTO, free_port, moto_server
 
 import traintape
 from traintape.analysis import compare
 
-MOTO = Path(sys.executable).with_name("moto_server")
 pytestmark = pytest.mark.skipif(
     shutil.which(str(MOTO)) is None, reason="moto[server] is not installed"
 )
@@ -27,24 +24,8 @@ BUCKET = "traintape-test"
 
 @pytest.fixture(scope="module")
 def endpoint():
-    port = free_port()
-    proc = subprocess.Popen(
-        [str(MOTO), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(100):
-            try:
-                urllib.request.urlopen(url, timeout=1)
-                break
-            except OSError:
-                time.sleep(0.1)
-        urllib.request.urlopen(urllib.request.Request(f"{url}/{BUCKET}", method="PUT"))
+    with moto_server(BUCKET) as url:
         yield url
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 @pytest.fixture
