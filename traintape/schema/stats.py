@@ -54,6 +54,7 @@ Only numpy is used here (no other traintape module).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -293,9 +294,25 @@ def index_map(
     ``batch``: the canonical axis 0 is a free batch axis (activations): it gets stride 0,
     so the pattern runs over the per-example index. ``start``: the held array is the part
     of the source tensor starting at these source indices (a shard or row block; its own
-    shape is whatever it holds). Returns None for the identity."""
+    shape is whatever it holds). Returns None for the identity. Adapters ask again every
+    step for the same tensors: the answers are memoised (an :class:`IndexMap` is frozen)."""
+    return _index_map(
+        tuple(None if s is None else int(s) for s in shape),
+        None if permutation is None else tuple(int(p) for p in permutation),
+        batch,
+        None if start is None else tuple(int(s) for s in start),
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _index_map(
+    shape: tuple[int | None, ...],
+    permutation: tuple[int, ...] | None,
+    batch: bool,
+    start: tuple[int, ...] | None,
+) -> IndexMap | None:
     rank = len(shape)
-    perm = list(range(rank)) if permutation is None else [int(p) for p in permutation]
+    perm = list(range(rank)) if permutation is None else list(permutation)
     cshape = [shape[p] for p in perm]
     cstrides = [0] * rank
     acc = 1
