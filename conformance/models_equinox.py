@@ -17,9 +17,16 @@ Recording: ``traintape.jax.filter_value_and_grad`` (param, grad, activation) und
 The ``cnn``'s ``eqx.nn.BatchNorm`` (``mode="batch"``) keeps its running statistics in an
 ``eqx.nn.State``: loaded from the canonical ``bn1/running_mean``/``running_var``
 (:func:`load_state`), threaded through the training step, and recorded by the adapter
-from the State argument. ``gru`` uses ``eqx.nn.GRUCell``, whose single r/z bias cannot
-hold PyTorch's two (a known gap, ``conformance/known.py``; the adapter's module
-docstring).
+from the State argument.
+
+``gru`` is written out, as the Flax columns write it (``models_jax.gru_scan``): a small
+module holding PyTorch's four parameters in canonical layout as plain array fields
+(``gru/kernel_ih`` (in, 3H), ``kernel_hh`` (H, 3H), ``bias_ih``, ``bias_hh`` (3H), gates
+r, z, n), which the adapter records under their field names as they are, layer kind
+``gru`` from ``layer_kinds``. ``eqx.nn.GRUCell`` cannot be used: its one ``bias`` holds
+``b_ir + b_hr`` / ``b_iz + b_hz`` for r and z (``bias_n`` = ``b_hn``), so PyTorch's two
+free biases would load only folded (rounded) and train differently. (The adapter's
+GRUCell layout is tested in tests/test_jax_equinox.py.)
 """
 
 from __future__ import annotations
@@ -29,10 +36,12 @@ from typing import Any
 import numpy as np
 
 from conformance import spec as S
-from conformance.models_jax import _jax, _mse, _tx, attention, gelu, swiglu
+from conformance.models_jax import _jax, _mse, _tx, attention, gelu, gru_scan, swiglu
 
 MODELS = ("mlp", "cnn", "transformer", "gru", "llm")
 """The models written in equinox (all of them)."""
+LAYER_KINDS = {"gru": "gru"}
+"""The written-out GRU's layer kind (equinox's own layers are known to the adapter)."""
 STATEFUL = ("cnn",)
 """Models with an ``eqx.nn.State`` (BatchNorm): built as ``(model, state)``, called as
 ``model(x, state) -> (y, state)``."""
@@ -113,19 +122,41 @@ def model(model_name: str, dtype: str) -> Any:
             h = jax.nn.relu(h).reshape(c, hh // 2, 2, ww // 2, 2).mean(axis=(2, 4))
             return self.head(h.mean(axis=(1, 2))), state
 
+    class GRU(eqx.Module):
+        """PyTorch's GRU written out with the canonical parameters (as the Flax columns
+        write it): gate order r, z, n, ``n = tanh(x W_in + b_in + r ⊙ (h W_hn + b_hn))``
+        with two free biases. Plain array fields in canonical layout, so the adapter
+        names them ``gru/kernel_ih`` ... as they are (no permutation); its layer kind
+        comes from ``layer_kinds``. ``eqx.nn.GRUCell`` cannot be used: its single r/z
+        bias holds ``b_ir + b_hr`` (module docstring)."""
+
+        kernel_ih: jax.Array  # (in, 3H)
+        kernel_hh: jax.Array  # (H, 3H)
+        bias_ih: jax.Array  # (3H,)
+        bias_hh: jax.Array  # (3H,)
+
+        def __init__(self) -> None:
+            z = jnp.zeros
+            self.kernel_ih = z((S.GRU_IN, 3 * S.GRU_H), dt)
+            self.kernel_hh = z((S.GRU_H, 3 * S.GRU_H), dt)
+            self.bias_ih = z((3 * S.GRU_H,), dt)
+            self.bias_hh = z((3 * S.GRU_H,), dt)
+
+        def __call__(self, x: Any) -> Any:
+            """One example's sequence (T, in) → the output sequence (T, H)."""
+            return gru_scan(x[None], self.kernel_ih, self.kernel_hh, self.bias_ih,
+                            self.bias_hh)[0]  # fmt: skip
+
     class GRUModel(eqx.Module):
-        gru: eqx.nn.GRUCell
+        gru: GRU
         head: eqx.nn.Linear
 
         def __init__(self) -> None:
-            self.gru = eqx.nn.GRUCell(S.GRU_IN, S.GRU_H, dtype=dt, key=next(keys))
+            self.gru = GRU()
             self.head = linear(S.GRU_H, S.GRU_OUT)
 
         def __call__(self, x: Any) -> Any:
-            h = jnp.zeros(S.GRU_H, x.dtype)
-            for t in range(x.shape[0]):
-                h = self.gru(x[t], h)
-            return self.head(h)
+            return self.head(self.gru(x)[-1])
 
     class CausalSelfAttention(eqx.Module):
         q: eqx.nn.Linear
@@ -188,24 +219,6 @@ def model(model_name: str, dtype: str) -> Any:
     if model_name in STATEFUL:
         return eqx.nn.make_with_state(builders[model_name])()
     return builders[model_name]()
-
-
-def equinox_weights(model_name: str, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Canonical (PyTorch) tensors → the tensors an equinox model has, by canonical name.
-
-    Only ``gru`` differs: ``eqx.nn.GRUCell.bias`` (``bias_ih``) is b_ih + [b_hr, b_hz, 0]
-    and ``bias_n`` (``bias_hn``) is b_hn — the r/z sums round, so this cell's initial
-    parameters are not the canonical ones (conformance/known.py)."""
-    if model_name != "gru":
-        return weights
-    out = dict(weights)
-    b_hh = out.pop("gru/bias_hh")
-    h = S.GRU_H
-    out["gru/bias_ih"] = out["gru/bias_ih"] + np.concatenate(
-        [b_hh[: 2 * h], np.zeros_like(b_hh[2 * h :])]
-    )
-    out["gru/bias_hn"] = b_hh[2 * h :]
-    return out
 
 
 def load_state(model: Any, state: Any, weights: dict[str, np.ndarray]) -> Any:
@@ -277,7 +290,7 @@ def train(
     if model_name in STATEFUL:
         built, st = built
         st = load_state(built, st, w)
-    m = load(built, equinox_weights(model_name, w))
+    m = load(built, w)
     x, y = S.batches(model_name, dtype)
     with recorder(url, model_name, optimizer) as rec:
         tx = ttj.watch(_tx(optimizer), rec)
@@ -291,7 +304,8 @@ def train(
             return _mse(out, yb), state
 
         # the State argument is found by the adapter: BatchNorm statistics as param
-        vg = ttj.filter_value_and_grad(loss, recorder=rec, has_aux=True)
+        vg = ttj.filter_value_and_grad(loss, recorder=rec, has_aux=True,
+                                       layer_kinds=LAYER_KINDS)  # fmt: skip
 
         @eqx.filter_jit
         def step(mod: Any, state: Any, o: Any, xb: Any, yb: Any) -> Any:

@@ -1,7 +1,10 @@
 """The conformance matrix as a test: the four original models, every pair of torch, Keras,
 Flax Linen and Flax NNX, float32 and float64 (+ the Adam block), compare identical under
-the documented tolerances (conformance/README.md). The equinox column and the ``llm`` row:
-``python -m conformance`` (the whole matrix) and tests/test_conformance_subset.py.
+the documented tolerances (conformance/README.md); plus the equinox ``gru`` against each
+of the four, both dtypes (the equinox GRU is written out with PyTorch's four parameters,
+as the Flax one is, since ``eqx.nn.GRUCell`` has a single r/z bias). The rest of the
+equinox column and the ``llm`` row: ``python -m conformance`` (the whole matrix) and
+tests/test_conformance_subset.py.
 
 The matrix is produced once per session (one subprocess per framework × dtype, two at a
 time; about 2–3 minutes on 2 CPU cores). Cells that fail because of a *known, reported*
@@ -25,12 +28,17 @@ pytest.importorskip("tensorflow")
 pytest.importorskip("jax")
 
 from conformance.known import known_gap
-from conformance.matrix import DTYPES, Cell, check_pair, default_plan, run_plan
+from conformance.matrix import DTYPES, Cell, check_pair, default_plan, produce, run_plan
+from conformance.worker import store_path
 
 CI_FRAMEWORKS = ("torch", "tf", "jax-linen", "jax-nnx")
 CI_MODELS = ("mlp", "cnn", "transformer", "gru")
 """The matrix run here; the equinox column and the ``llm`` row run in full with
 ``python -m conformance`` (a few of their cells: tests/test_conformance_subset.py)."""
+EQUINOX_MODELS = ("gru",)
+"""Equinox models checked here against each of :data:`CI_FRAMEWORKS` (both dtypes):
+``gru``, the model equinox writes out by hand (its GRUCell cannot hold torch's biases)
+and once the matrix's known gap."""
 PLAN = default_plan(CI_FRAMEWORKS, DTYPES, CI_MODELS)
 CELLS = [
     (d, m, a, b)
@@ -38,13 +46,25 @@ CELLS = [
     for d in cfgs
     for m in ms
     for a, b in itertools.combinations(fws, 2)
-]
+] + [(d, m, a, "equinox") for d in DTYPES for m in EQUINOX_MODELS for a in CI_FRAMEWORKS]
 
 
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory) -> dict[tuple[str, str, str, str], Cell]:
-    cells = run_plan(PLAN, tmp_path_factory.mktemp("conformance"))
-    return {(c.dtype, c.model, c.a, c.b): c for c in cells}
+    root = tmp_path_factory.mktemp("conformance")
+    cells = {(c.dtype, c.model, c.a, c.b): c for c in run_plan(PLAN, root)}
+    # the equinox cells: its stores next to the matrix's, compared with theirs
+    failed = produce(root, ("equinox",), DTYPES, EQUINOX_MODELS)
+    for d, m, a, b in CELLS:
+        if (d, m, a, b) in cells:
+            continue
+        bad = [failed[(f, d)] for f in (a, b) if (f, d) in failed]
+        if bad:
+            cells[(d, m, a, b)] = Cell(d, m, a, b, False, False, problems=bad)
+        else:
+            at = (store_path(root, f, m, d) for f in (a, b))
+            cells[(d, m, a, b)] = check_pair(*at, m, d, names=(a, b))
+    return cells
 
 
 def _params():

@@ -157,6 +157,77 @@ def test_mha_and_recurrent_names():
     assert names == {"bn/scale": "batch_norm", "bn/bias": "batch_norm"}
 
 
+def _torch_gru_step(x, h, k_ih, k_hh, b_ih, b_hh):  # type: ignore[no-untyped-def]
+    """PyTorch's GRU step on canonical tensors (gates r, z, n; ``kernel_*`` (in, 3H)):
+    ``n = tanh(x W_in + b_in + r * (h W_hn + b_hn))``, ``h' = (1 - z) n + z h``."""
+    ir, iz, in_ = np.split(x @ k_ih + b_ih, 3, axis=-1)
+    hr, hz, hn = np.split(h @ k_hh + b_hh, 3, axis=-1)
+    sig = lambda v: 1 / (1 + np.exp(-v))  # noqa: E731
+    r, z = sig(ir + hr), sig(iz + hz)
+    n = np.tanh(in_ + r * hn)
+    return (1 - z) * n + z * h
+
+
+def test_grucell_canonical_layout_is_its_own_math(mem_url):
+    """``eqx.nn.GRUCell`` recorded canonically: ``weight_ih`` (3H, in) as ``kernel_ih``
+    (in, 3H) and ``weight_hh`` as ``kernel_hh`` (H, 3H), gates r, z, n (torch's order);
+    ``bias`` (3H) as ``bias_ih`` and ``bias_n`` (H) as ``bias_hn``. Checked against the
+    cell's own math: PyTorch's GRU step on the recorded tensors, with ``b_ih`` = the
+    recorded ``bias_ih`` and ``b_hh`` = [0, 0, ``bias_hn``] (the r/z hidden biases the
+    cell folds into ``bias``), reproduces the cell over a sequence; the recorded params
+    and grads are the cell's own, in that layout (specs: permutation, layer kind)."""
+    hid, fin, steps = 5, 3, 4
+    k = jax.random.split(jax.random.PRNGKey(0), 4)
+    cell = eqx.nn.GRUCell(fin, hid, key=k[0])
+    # random biases (equinox initialises them uniform too; make sure none is zero)
+    cell = eqx.tree_at(lambda c: (c.bias, c.bias_n), cell,
+                       (jax.random.normal(k[1], (3 * hid,)), jax.random.normal(k[2], (hid,))))  # fmt: skip
+    xs = jax.random.normal(k[3], (2, steps, fin))
+
+    def run(c, x):  # type: ignore[no-untyped-def]
+        h = jnp.zeros(hid)
+        for t in range(steps):
+            h = c(x[t], h)
+        return h
+
+    leaves = {lf.name: lf for lf in tj.named_leaves(eqx.filter(cell, eqx.is_array))}
+    flat = jax.tree_util.tree_leaves(eqx.filter(cell, eqx.is_array))
+    canon = {n: np.asarray(lf.canonical(flat[lf.index])) for n, lf in leaves.items()}
+    assert sorted(canon) == ["bias_hn", "bias_ih", "kernel_hh", "kernel_ih"]
+    np.testing.assert_array_equal(canon["kernel_ih"], np.asarray(cell.weight_ih).T)
+    np.testing.assert_array_equal(canon["kernel_hh"], np.asarray(cell.weight_hh).T)
+    np.testing.assert_array_equal(canon["bias_ih"], np.asarray(cell.bias))
+    np.testing.assert_array_equal(canon["bias_hn"], np.asarray(cell.bias_n))
+    b_hh = np.concatenate([np.zeros(2 * hid, np.float32), canon["bias_hn"]])
+    h = np.zeros((2, hid), np.float32)
+    for t in range(steps):
+        h = _torch_gru_step(np.asarray(xs[:, t]), h, canon["kernel_ih"], canon["kernel_hh"],
+                            canon["bias_ih"], b_hh)  # fmt: skip
+    np.testing.assert_allclose(jax.vmap(lambda x: run(cell, x))(xs), h, rtol=1e-5, atol=1e-6)
+
+    # recorded: the cell's params and grads in that layout
+    def loss(m):  # type: ignore[no-untyped-def]
+        return jnp.sum(jax.vmap(lambda x: run(m["gru"], x))(xs) ** 2)
+
+    _, want_g = eqx.filter_jit(eqx.filter_value_and_grad(loss))({"gru": cell})
+    with Recorder(mem_url, CapturePolicy(full_every=1)) as rec:
+        eqx.filter_jit(tj.filter_value_and_grad(loss, recorder=rec))({"gru": cell})
+    r = open_run(mem_url)
+    g = want_g["gru"]
+    want_grad = {"kernel_ih": np.asarray(g.weight_ih).T, "kernel_hh": np.asarray(g.weight_hh).T,
+                 "bias_ih": np.asarray(g.bias), "bias_hn": np.asarray(g.bias_n)}  # fmt: skip
+    assert sorted(r.tensor_names("param")) == [f"gru/{n}" for n in sorted(canon)]
+    for n in canon:
+        np.testing.assert_array_equal(r.snapshot(f"gru/{n}", "param", 0), canon[n])
+        np.testing.assert_allclose(r.snapshot(f"gru/{n}", "grad", 0), want_grad[n], rtol=1e-5,
+                                   atol=1e-6)  # fmt: skip
+        spec = r.spec(f"gru/{n}", "param")
+        assert spec.layer_kind == "gru" and spec.role == n
+        assert spec.permutation == ([1, 0] if n.startswith("kernel") else None)
+    assert r.spec("gru/kernel_ih", "param").source_shape == [3 * hid, fin]
+    assert r.spec("gru/bias_hn", "param").source_name == "gru/bias_n"
+
+
 class _Block(eqx.Module):
     """Per-example model: tokens (T,) → (T, 2), layers mapped over tokens."""
 

@@ -37,7 +37,8 @@ parameter, not two:
   bias_hh_n`` — one rounding for the r/z blocks, and from then on the two models train
   differently (torch moves b_ir and b_hr by the same gradient each, equinox their sum
   once). Equivalent, comparable stores need torch's two biases, which equinox's cells do
-  not have; the conformance suite lists this (``conformance/known.py``).
+  not have; the conformance suite therefore writes its equinox GRU out with torch's
+  four parameters (``conformance/models_equinox.py``), as it does for Flax's GRUCell.
 
 ``MLP`` and ``Sequential`` need nothing of their own (their ``layers`` are the modules above).
 
