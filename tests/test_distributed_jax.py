@@ -4,6 +4,7 @@ same code with the same store URL; the one store equals the single-process store
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -56,17 +57,19 @@ def _single_process_grad_norms() -> dict[str, float]:
                "bias": np.zeros(32, np.float32)},
         "l1": {"kernel": rng.normal(size=(32, 8)).astype(np.float32) * 0.3,
                "bias": np.zeros(8, np.float32)},
+        "gain": np.ones(3, np.float32),
     }  # fmt: skip
     x = np.random.default_rng(1).normal(size=(24, 16)).astype(np.float32)
     y = np.sin(x[:, :8])
 
     def loss(p):
         h = jnp.tanh(x @ p["l0"]["kernel"] + p["l0"]["bias"])
-        return jnp.mean((h @ p["l1"]["kernel"] + p["l1"]["bias"] - y) ** 2)
+        return jnp.mean((h @ p["l1"]["kernel"] + p["l1"]["bias"] - y) ** 2) * jnp.mean(p["gain"])
 
     with jax.default_matmul_precision("highest"):
         g = jax.grad(loss)(p)
-    return {f"{a}/{b}": float(np.linalg.norm(np.asarray(g[a][b]))) for a in g for b in g[a]}
+    flat = jax.tree_util.tree_flatten_with_path(g)[0]
+    return {"/".join(k.key for k in path): float(np.linalg.norm(np.asarray(v))) for path, v in flat}
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -93,6 +96,20 @@ def test_every_process_same_url_one_store_equal_to_single_process(tmp_path, refe
                     rtol=1e-5, atol=1e-7,
                 )  # fmt: skip
     assert compare(url, reference, strict=True).identical
+    # snapshots were written by the processes holding the data: each tensor with an axis
+    # the 2n devices divide is spread over them and every process wrote its own block
+    # (the array is sharded by it, process i's shard at block index i) and confirmed it
+    for kind in (Kind.PARAM, Kind.GRAD, Kind.UPDATE):
+        for i in range(n):
+            done = json.loads((Path(url) / ".traintape/progress" / f"{i}.json").read_text())
+            assert done["snapshots"][kind.value] == 2, (i, done)
+        meta = json.loads((Path(url) / f"snapshots/{kind.value}/l0/kernel/zarr.json").read_text())
+        shard = meta["chunk_grid"]["configuration"]["chunk_shape"]
+        assert shard == [1, 16 // n, 32], shard  # 16 rows over n processes
+        for i in range(n):
+            assert (Path(url) / f"snapshots/{kind.value}/l0/kernel/c/0/{i}/0").is_file()
+        gain = json.loads((Path(url) / f"snapshots/{kind.value}/gain/zarr.json").read_text())
+        assert gain["chunk_grid"]["configuration"]["chunk_shape"] == [1, 3]  # process 0's
     # the global gradient norm is jax.grad's on one device, not a shard's
     l2 = run.stats_array(Kind.GRAD)[0, :, run.manifest.stat_names.index("l2")]
     want = _single_process_grad_norms()

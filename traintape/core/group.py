@@ -13,7 +13,8 @@ framework (``traintape.jax``: ``jax.distributed``; ``traintape.torch``:
 Process 0 (the *leader*) owns the store: the writer claim, the manifest, the stats and
 metrics arrays and the commit mark. The adapters merge every statistic over processes
 (:func:`merge_over`) before it reaches the recorder, so the leader's rows are the global
-ones. Snapshots of tensors sharded in plain blocks (torch FSDP2) are written by every
+ones. Snapshots of tensors sharded in plain blocks (torch FSDP2; JAX tensors spread
+over the job's devices, :mod:`traintape.adapters.jax.blocks`) are written by every
 process for the block it holds (:class:`traintape.core.writer.Part`), and the leader
 commits them once each process confirmed its blocks; other snapshots reach the leader
 whole (JAX: XLA moves them to the device of the host callback; torch: replicated, or

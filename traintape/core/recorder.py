@@ -139,6 +139,7 @@ class Recorder:
     policy: CapturePolicy
     _sync_hooks: list[Callable[[bool], None]]
     _writer: StoreWriter | PartWriter
+    _own_blocks: PartWriter | None = None
 
     def __init__(
         self,
@@ -320,6 +321,8 @@ class Recorder:
             if existing is None:
                 writer._write_manifest(m.model_copy(deep=True))
             self._writer = writer
+            if self.group.count > 1:  # process 0's own blocks of Part.holders snapshots
+                self._own_blocks = PartWriter(self.url, 0, m)
         except Exception as e:
             raise StoreError(f"cannot write a traintape store at {self.url}: {e}") from e
 
@@ -596,6 +599,39 @@ class Recorder:
             off += n
         return True
 
+    def put_blocks(self, step: int, kind: Kind | str, blocks: Mapping[str, Part]) -> None:
+        """This process's blocks of the snapshot of ``kind`` at ``step``, in a
+        multi-process job whose blocks arrive apart from the step's rows (JAX: from one
+        host callback per device, on every process).
+
+        Every process (process 0 too) calls this once per such snapshot, in step order,
+        with the same tensor names; each :class:`~traintape.core.writer.Part` is the
+        block this process writes (``data``) at ``offset`` of the canonical tensor. The
+        step's rows, recorded by process 0 alone, name the same tensors with
+        ``Part(None, ..., holders=True)``; process 0 commits the snapshot once every
+        process has confirmed its blocks durable.
+        """
+        kind = Kind(kind)
+        step = check_step(step)
+        if self.group.count == 1:
+            raise RecordError(f"put_blocks ({kind.value} at step {step}): not a multi-process job")
+        writer = self._writer if self.group.index else self._own_blocks
+        if not self._guard() or writer is None or writer.error is not None:
+            return
+        with self._lock:
+            specs = self._tensors.specs(kind)
+            owned: dict[str, np.ndarray | Part | Piece] = {}
+            for n, p in blocks.items():
+                if n not in specs:
+                    raise RecordError(
+                        f"put_blocks: tensor {n!r} ({kind.value}) at step {step} is not declared"
+                    )
+                _check_part(specs[n], p, step)
+                target = storage_dtype(p.dtype)
+                data = None if p.data is None else np.asarray(p.data, dtype=target)
+                owned[n] = Part(data, p.offset, p.shape, p.block, target.name, p.holders)
+        writer.put(Snapshot(step, kind, owned))
+
     def record_raw(
         self,
         step: int,
@@ -649,7 +685,7 @@ class Recorder:
         kind: Kind,
         vecs: np.ndarray,
         names: Sequence[str],
-        snapshots: Mapping[str, ArrayLike] | SnapshotStream | None,
+        snapshots: Mapping[str, ArrayLike | Part] | SnapshotStream | None,
     ) -> bool:
         with self._lock:
             if not self._tensors.declared(kind):
@@ -666,7 +702,7 @@ class Recorder:
         return True
 
     def _checked_snapshots(
-        self, step: int, kind: Kind, snapshots: Mapping[str, ArrayLike] | None
+        self, step: int, kind: Kind, snapshots: Mapping[str, ArrayLike | Part] | None
     ) -> dict[str, np.ndarray | Part] | None:
         """The snapshots of a :meth:`record_step` call, checked against the declared
         specs, or None where the policy takes none of ``kind`` at ``step``."""
@@ -842,7 +878,7 @@ class Recorder:
                 if isinstance(a, Part):  # this process's block: the adapter's own copy
                     target = storage_dtype(a.dtype)
                     data = a.data if a.data is None else np.asarray(a.data, dtype=target)
-                    owned[n] = Part(data, a.offset, a.shape, a.block, target.name)
+                    owned[n] = Part(data, a.offset, a.shape, a.block, target.name, a.holders)
                     continue
                 target = storage_dtype(a.dtype)
                 owned[n] = np.array(a, dtype=target, copy=True) if copy or target != a.dtype else a
@@ -913,6 +949,8 @@ class Recorder:
         if self._system is not None:
             self._system.close()
         self._writer.close()
+        if self._own_blocks is not None:
+            self._own_blocks.close()
         self._writer.release_claim()  # (a follower holds none)
         if err is not None:
             raise err
@@ -1023,7 +1061,7 @@ class KindRows:
     """Canonical names of the rows of ``raw``."""
     raw: ArrayLike
     """Raw rows ``[len(names), N_RAW]`` float64 (:data:`traintape.schema.stats.RAW_NAMES`)."""
-    snapshots: Mapping[str, ArrayLike] | SnapshotStream | None = None
+    snapshots: Mapping[str, ArrayLike | Part] | SnapshotStream | None = None
     """Full tensors by name, canonical layout (full-capture steps), or the
     :class:`SnapshotStream` that handed them over (:meth:`Recorder.stream_snapshot`)."""
     absent: Sequence[str] = ()

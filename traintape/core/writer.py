@@ -76,6 +76,11 @@ class Part:
     block: tuple[int, ...]
     """Shard shape of the array: every process's block lies inside one such shard."""
     dtype: str
+    holders: bool = False
+    """True: every process — process 0 too — hands its blocks over apart from the step's
+    rows (:meth:`traintape.core.recorder.Recorder.put_blocks`; JAX, whose blocks arrive
+    from per-device callbacks) and confirms them like the other processes do; the Part
+    in the step's snapshot then carries no data and only says so."""
 
     @property
     def nbytes(self) -> int:
@@ -387,6 +392,7 @@ class StoreWriter(_QueueWorker):
         self.followers = followers  # processes 1..followers write Parts (multi-process job)
         self.followers_timeout = followers_timeout
         self._parts_upto: dict[Kind, int] = {}  # snapshots (per kind) holding Parts
+        self._self_confirms = False  # process 0's own blocks come through a PartWriter
         self.kv = KvStore(url)
         self.layout = manifest.layout
         self._manifest_copy = manifest_copy
@@ -735,6 +741,7 @@ class StoreWriter(_QueueWorker):
                 ).result()
             if isinstance(value, Part):
                 self._parts_upto[kind] = index + 1  # the other processes write theirs
+                self._self_confirms |= value.holders
                 if value.data is None:
                     continue
                 sel = part_index(index, value)
@@ -932,14 +939,14 @@ class StoreWriter(_QueueWorker):
 
     def _wait_for_followers(self, need: dict[Kind, int]) -> None:
         """Before a commit mark covers snapshots with :class:`Part` s: wait until every
-        other process has confirmed (its progress key) that its blocks of them are
-        durable. A slow process delays the commit, not training (until the queue fills);
-        one silent for ``followers_timeout`` seconds fails the writer (capture stops
+        other process (and process 0's own :class:`PartWriter`, for ``Part.holders``
+        blocks) has confirmed (its progress key) that its blocks of them are durable. A
+        slow process delays the commit, not training (until the queue fills); one silent for ``followers_timeout`` seconds fails the writer (capture stops
         loudly; every step committed before stays valid)."""
         need = {k: n for k, n in need.items() if n > 0}
         if not self.followers or not need:
             return
-        waiting = set(range(1, self.followers + 1))
+        waiting = set(range(0 if self._self_confirms else 1, self.followers + 1))
 
         def confirmed() -> bool:
             for rank in sorted(waiting):

@@ -35,9 +35,11 @@ from jax.experimental import io_callback
 
 from traintape.core import Recorder
 from traintape.core.recorder import KindRows
+from traintape.core.writer import Part
 from traintape.schema import CapturePolicy, Kind
 from traintape.schema.stats import activation_map, index_map
 
+from .blocks import Blocks, Split, split_for, spread
 from .names import Leaf, specs_for
 from .stats import device_stats
 
@@ -211,8 +213,29 @@ def emit(
         for i, g in enumerate(groups)
         if g.snapshots and policy.full_every and g.kind in policy.snapshot_kinds
     ]
+    # multi-process: snapshots that spread evenly over the job's devices are written by
+    # the processes holding them (blocks.py); the rest reach process 0 whole
+    splits: dict[int, Split] = {}
+    j = 0
+    for i in snap_groups:
+        for a in arrays[i]:
+            sp = None if callable(groups[i].snapshots) else split_for(jnp.shape(a), a.dtype)
+            if sp is not None:
+                splits[j] = sp
+            j += 1
     n_snaps = sum(sizes[i] for i in snap_groups)
-    pending = _Snapshots(n_snaps, pump)
+    pending = _Snapshots(n_snaps - len(splits), pump)
+    blocks = None
+    if splits:
+        snap_kinds = [groups[i].kind for i in snap_groups for _ in groups[i].leaves]
+        snap_names = [lf.name for i in snap_groups for lf in groups[i].leaves]
+        blocks = Blocks(
+            recorder,
+            {j: snap_kinds[j] for j in splits},
+            {j: snap_names[j] for j in splits},
+            splits,
+            pump.put,
+        )
     if step is None and counter is None:
         raise ValueError("emit: automatic step numbering needs a counter")
     auto = counter
@@ -222,7 +245,7 @@ def emit(
 
         def apply() -> None:  # in the pump: a failure stops capture, never the step
             raw = decode(np.asarray(stats_v))
-            snaps = pending.take(s, shipped) if shipped is not None else None
+            snaps = pending.take(s, shipped, splits) if shipped is not None else None
             _apply(recorder, s, kinds, names, sizes, raw, snaps, snap_groups)
 
         pump.put(apply)
@@ -236,7 +259,7 @@ def emit(
     if not snap_groups:
         io_callback(host, None, step_a, stats, ordered=True)
         return
-    shipped = _ship_snapshots(step_a, policy, groups, snap_groups, arrays, pending)
+    shipped = _ship_snapshots(step_a, policy, groups, snap_groups, arrays, pending, blocks)
     io_callback(host, None, step_a, stats, shipped, ordered=True)
 
 
@@ -260,9 +283,12 @@ class _Snapshots:
         self.pump.put(keep)  # a failure (out of memory) stops capture, not the step
         return np.int32(1)
 
-    def take(self, step: int, shipped: Any) -> list[np.ndarray] | None:
+    def take(
+        self, step: int, shipped: Any, splits: dict[int, Split]
+    ) -> list[np.ndarray | Part] | None:
         """The step's tensors, if it shipped any (``shipped``: the flags from
-        :func:`_ship_snapshots`)."""
+        :func:`_ship_snapshots`); a tensor its holders write (``splits``) is named by
+        its :meth:`Split.placeholder`."""
         with self._lock:
             got = self._by_step.pop(step, {})
         if not np.any(shipped):
@@ -271,7 +297,8 @@ class _Snapshots:
             raise RuntimeError(
                 f"traintape.jax: step {step}: {len(got)} of {self.n} full tensors arrived"
             )
-        return [got[j] for j in range(self.n)]
+        n = self.n + len(splits)
+        return [splits[j].placeholder() if j in splits else got[j] for j in range(n)]
 
 
 def _ship_snapshots(
@@ -281,6 +308,7 @@ def _ship_snapshots(
     snap_groups: Sequence[int],
     arrays: Sequence[Sequence[jax.Array]],
     pending: _Snapshots,
+    blocks: Blocks | None = None,
 ) -> jax.Array:
     """On full-capture steps (``policy.is_full(step)``, decided on the device) send the
     snapshot tensors to ``pending``, one callback per leaf under its own ``lax.cond``.
@@ -292,13 +320,21 @@ def _ship_snapshots(
     optimizer has made all of them): a larger temp allocation, fresh pages and ~10k page
     faults per step on the benchmark's 11M-param MLP (``benchmarks/jax_overhead.py``).
     A group whose snapshots come from a function (the probe batch's activations) runs it
-    inside one cond, on full-capture steps only."""
+    inside one cond, on full-capture steps only. A tensor with a split in ``blocks``
+    (multi-process) is spread over the job's devices and handed to ``blocks`` by one
+    partitioned callback per device instead (:mod:`.blocks`)."""
     full = policy.is_full(step)
     flags: list[jax.Array] = []
     out = jax.ShapeDtypeStruct((), jnp.int32)
 
     def send(k: int, a: jax.Array) -> jax.Array:
         return io_callback(functools.partial(pending.put, k), out, step, a, ordered=False)
+
+    def hand_over(blocks: Blocks, k: int, a: jax.Array) -> jax.Array:
+        slab, pos, at = spread(a, blocks.splits[k], step)
+        cb = functools.partial(blocks.put, k)
+        jax.debug.callback(cb, at, pos, slab, partitioned=True)
+        return jnp.int32(1)
 
     j = 0
     for i in snap_groups:
@@ -314,7 +350,11 @@ def _ship_snapshots(
             flags.append(jax.lax.cond(full, probe, lambda n=len(idx): jnp.zeros(n, jnp.int32)))
         else:
             for k, a in zip(idx, arrays[i], strict=True):
-                shipped = jax.lax.cond(full, lambda k=k, a=a: send(k, a), lambda: jnp.int32(0))
+                if blocks is not None and k in blocks.splits:
+                    send_k = functools.partial(hand_over, blocks, k)
+                else:
+                    send_k = functools.partial(send, k)
+                shipped = jax.lax.cond(full, lambda f=send_k, a=a: f(a), lambda: jnp.int32(0))
                 flags.append(shipped[None])
     return jnp.concatenate(flags)
 
@@ -326,7 +366,7 @@ def _apply(
     names: list[tuple[str, ...]],
     sizes: list[int],
     raw: np.ndarray,
-    snaps: list[np.ndarray] | None,
+    snaps: list[np.ndarray | Part] | None,
     snap_groups: list[int],
 ) -> None:
     """Hand one step's raw rows (and snapshots) to the recorder in one call (the

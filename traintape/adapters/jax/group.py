@@ -5,7 +5,8 @@ when :mod:`traintape.adapters.jax` is imported). Under ``jax.distributed`` the a
 needs no merge of its own: statistics are reduced inside the jitted step over the global
 (sharded) arrays, so XLA's partitioner computes them over every shard exactly once, and
 the ordered host callback that carries them runs on the process that owns device 0 —
-process 0, the store's writer. The other processes' recorders receive nothing.
+process 0, the store's writer. The other processes' recorders receive only their
+blocks of snapshots (:mod:`.blocks`).
 """
 
 from __future__ import annotations
