@@ -100,17 +100,33 @@ class Split:
         return Part(None, (0,) * len(self.shape), self.shape, self.block, self.dtype, True)
 
 
-def split_for(shape: tuple[int, ...], dtype: Any) -> Split | None:
-    """The :class:`Split` of a tensor, or None if it reaches process 0 whole (a
-    single-process job, unequal devices per process, or no axis divisible by the device
-    count)."""
+def split_for(a: jax.Array) -> Split | None:
+    """The :class:`Split` of the (traced) snapshot tensor ``a``, or None if it reaches
+    process 0 whole: a single-process job, unequal devices per process, no axis the
+    device count divides, or a program whose mesh this cannot lay out on (manual axes
+    of ``shard_map``; a mesh over a subset of the devices)."""
     devs = job_devices()
     if devs is None:
         return None
+    mesh = _program_mesh(a)
+    if mesh is not None:
+        sizes = tuple(getattr(mesh, "axis_sizes", ()) or ())
+        if getattr(mesh, "manual_axes", ()) or (sizes and int(np.prod(sizes)) != devs.count):
+            return None
+    shape = tuple(np.shape(a))
     for axis, n in enumerate(shape):
         if n >= devs.count and n % devs.count == 0:
-            return Split(tuple(shape), jnp.dtype(dtype).name, axis, n // devs.count, devs)
+            return Split(shape, jnp.dtype(a.dtype).name, axis, n // devs.count, devs)
     return None
+
+
+def _program_mesh(a: jax.Array) -> Any:
+    """The abstract mesh of the program ``a`` is traced in (from its type), or None."""
+    typeof = getattr(jax, "typeof", None)  # (jax >= 0.6)
+    try:
+        return None if typeof is None else typeof(a).sharding.mesh
+    except AttributeError:
+        return None
 
 
 def spread(a: jax.Array, split: Split, step: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -123,7 +139,7 @@ def spread(a: jax.Array, split: Split, step: jax.Array) -> tuple[jax.Array, jax.
     program's own mesh (found in ``a``'s type) with the job's devices placed in it in
     process-major order, sharded over all of its axes at once: device ``k`` of that
     order holds slab ``k``."""
-    mesh = _mesh_like(jax.typeof(a).sharding.mesh, split.devices)
+    mesh = _mesh_like(_program_mesh(a), split.devices)
     axes = tuple(mesh.axis_names)
     spec: list[Any] = [None] * a.ndim
     spec[split.axis] = axes
@@ -140,11 +156,11 @@ def _mesh_like(abstract: Any, devices: Devices) -> Mesh:
     if the program has none, over the job's devices in process-major order."""
     devs = np.array(devices.mesh.devices).reshape(-1)
     sizes = tuple(getattr(abstract, "axis_sizes", ()) or ())
-    if not sizes or int(np.prod(sizes)) != len(devs):
+    if not sizes:
         return devices.mesh
-    return Mesh(
-        devs.reshape(sizes), tuple(abstract.axis_names), axis_types=tuple(abstract.axis_types)
-    )
+    types = getattr(abstract, "axis_types", None)
+    kw = {} if types is None else {"axis_types": tuple(types)}
+    return Mesh(devs.reshape(sizes), tuple(abstract.axis_names), **kw)
 
 
 class Blocks:

@@ -219,7 +219,7 @@ def emit(
     j = 0
     for i in snap_groups:
         for a in arrays[i]:
-            sp = None if callable(groups[i].snapshots) else split_for(jnp.shape(a), a.dtype)
+            sp = None if callable(groups[i].snapshots) else split_for(a)
             if sp is not None:
                 splits[j] = sp
             j += 1
