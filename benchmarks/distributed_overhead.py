@@ -5,16 +5,23 @@ sharded with FSDP2 (``fully_shard``; parameters, gradients are DTensors). In eac
 interleaved in rounds (``_common.py``; both processes run the same schedule, so the
 collectives line up):
 
-(a) stats, per process, caches flushed before each call:
+(a) stats, per process, caches flushed before each call, then a barrier (untimed: the
+    processes start each call together, as after a training step's own collectives —
+    else the merge's wait for the other process would time its cache flush):
     - ``floor``: one plain ``sum`` pass over the local shards of params + grads;
     - ``stats_local``: the adapter's raw rows of those shards (``stats.raw_stats``);
     - ``stats_merged``: the same plus the exact merge over processes
       (``core.group.merge_over``: one all_gather of the raw rows) — what
-      ``traintape.torch.watch`` does per captured step under FSDP2.
+      ``traintape.torch.watch`` does per captured step under FSDP2;
+    - ``merge`` (for reference): the merge alone, of rows computed before.
     Target: the same ≤ 2x floor as single-process capture.
 (b) full-snapshot write throughput, aggregate over the 2 processes, each step durable:
-    - ``raw``: every process writes its local shards with ``numpy.tofile`` + fsync (the
-      aggregate disk bandwidth of 2 writers);
+    - ``raw``: every process writes its local shards with ``numpy.tofile`` + fsync to
+      new files (the aggregate disk bandwidth of 2 writers that keep what they write,
+      as the store keeps every snapshot; as in ``store_throughput.py``);
+    - ``raw_overwrite`` (for reference): the same into the same files every step,
+      overwritten in place — cheaper on ext4 than creating files (about 2x here), but
+      it keeps only the last step;
     - ``traintape``: the snapshot step as the adapter does it — every process copies the
       block it holds (``dist.snapshot_part``), ``Recorder.record_raw`` with those blocks,
       ``flush()`` (each process writes its blocks; process 0 commits once the other has
@@ -44,7 +51,7 @@ def child(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: s
     import numpy as np
     import torch
     import torch.distributed as dist
-    from _common import Timings, interleave, repeat, time_kernels
+    from _common import Timings, flush_caches, interleave, repeat
     from torch import nn
 
     import traintape
@@ -92,10 +99,18 @@ def child(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: s
     def stats_merged() -> None:
         merge_over(group, S.to_host(S.raw_stats(shards)), here)
 
-    k = time_kernels(
-        {"floor": floor, "stats_local": stats_local, "stats_merged": stats_merged},
-        args.rounds, args.reps,
-    )  # fmt: skip
+    rows = S.to_host(S.raw_stats(shards))
+
+    def merge() -> None:  # the merge alone, on rows computed before
+        merge_over(group, rows, here)
+
+    def cold() -> None:  # untimed: caches flushed, then both processes start together
+        flush_caches()
+        dist.barrier()
+
+    kernels = {"floor": floor, "stats_local": stats_local, "stats_merged": stats_merged,
+               "merge": merge}  # fmt: skip
+    k = interleave({n: repeat(n, f, args.reps, cold) for n, f in kernels.items()}, args.rounds)
 
     # (b) snapshot throughput
     d = os.path.join(out_dir, f"rank{rank}")
@@ -119,18 +134,22 @@ def child(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: s
         rec.flush()
         dist.barrier()
 
-    def raw_step() -> None:
+    raw_steps = itertools.count()
+
+    def raw_write(name: str) -> None:
         for i, p in enumerate(params):
-            path = os.path.join(d, f"raw_{i}.bin")
-            with open(path, "wb") as f:
+            with open(os.path.join(d, f"{name}_{i}.bin"), "wb") as f:
                 local(p).detach().numpy().tofile(f)
                 f.flush()
                 os.fsync(f.fileno())
         dist.barrier()
 
     traintape_step()  # creates the snapshot arrays: setup, not throughput
-    w = interleave({"raw": repeat("raw", raw_step, 1), "traintape": repeat("traintape",
-                   traintape_step, 1)}, args.rounds, Timings())  # fmt: skip
+    w = interleave({
+        "raw": repeat("raw", lambda: raw_write(f"raw{next(raw_steps)}"), 1),
+        "raw_overwrite": repeat("raw_overwrite", lambda: raw_write("over"), 1),
+        "traintape": repeat("traintape", traintape_step, 1),
+    }, args.rounds, Timings())  # fmt: skip
     rec.close()
     if rank == 0:
         fl, lo, me = k.median("floor"), k.median("stats_local"), k.median("stats_merged")
@@ -138,13 +157,16 @@ def child(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: s
         print(f"(a) per process (its shards, {sum(s.numel() for s in shards) / 1e6:.2f}M "
               f"elements): floor {fl:.2f} ms, stats {lo:.2f} ms ({lo / fl:.2f}x floor), "
               f"stats + merge over processes {me:.2f} ms ({me / fl:.2f}x floor; "
-              f"{k.ratio('stats_merged', 'floor'):.2f}x paired) — target <= 2x")  # fmt: skip
+              f"{k.ratio('stats_merged', 'floor'):.2f}x paired) — target <= 2x; the merge "
+              f"alone {k.median('merge'):.2f} ms")  # fmt: skip
         nbytes = 4 * n_global
-        r, t = w.median("raw"), w.median("traintape")
-        print(f"(b) full snapshot of {nbytes / 2**20:.1f} MiB per step, durable: raw 2 writers "
-              f"{nbytes / 2**20 / (r / 1e3):.0f} MiB/s ({r:.1f} ms), traintape "
-              f"{nbytes / 2**20 / (t / 1e3):.0f} MiB/s ({t:.1f} ms): {r / t:.2f}x raw "
-              f"(target >= 0.8x)")  # fmt: skip
+        r, o, t = w.median("raw"), w.median("raw_overwrite"), w.median("traintape")
+        mib = nbytes / 2**20
+        print(f"(b) full snapshot of {mib:.1f} MiB per step, durable: raw 2 writers "
+              f"{mib / (r / 1e3):.0f} MiB/s ({r:.1f} ms), traintape {mib / (t / 1e3):.0f} "
+              f"MiB/s ({t:.1f} ms): {r / t:.2f}x raw ({1 / w.ratio('traintape', 'raw'):.2f}x "
+              f"paired; target >= 0.8x); raw overwriting its files in place {o:.1f} ms: "
+              f"{o / t:.2f}x")  # fmt: skip
     dist.destroy_process_group()
 
 

@@ -14,9 +14,10 @@ import zarr
 
 import traintape as tt
 from traintape.core import layout as L
+from traintape.core import writer as wr
 from traintape.core.errors import RecordError
 from traintape.core.writer import direct_geometry, stream_rows
-from traintape.schema import N_RAW, N_STATS, EventType, TensorSpec
+from traintape.schema import N_RAW, N_STATS, EventType, Kind, TensorSpec
 
 SHAPES = {
     "a/k1": ((300, 200), "float32"),  # last inner chunk padded with the fill value
@@ -89,6 +90,84 @@ def test_pieces_align_with_inner_chunks() -> None:
     assert stream_rows((1000, 200), f32, 128 << 10, 400 << 10) == 489  # 3 chunks of 163
     assert stream_rows((3, 50000, 7), f32, 128 << 10, 1) == 1
     assert stream_rows((10, 10), f32, 128 << 10, 1 << 30) == 10
+
+
+# tensor -> (shape, dtype, block): blocks split on one or two axes; the inner chunk of
+# the first is a divisor of the block smaller than layout.inner_chunk's (50 of 64 rows);
+# the last block of "b/c" is partial (not one whole shard: TensorStore writes it)
+BLOCKS = {
+    "b/a": ((3000, 512), "float32", (1000, 512)),
+    "b/b": ((64, 96), "float64", (32, 48)),
+    "b/c": ((10,), "int32", (4,)),
+    "b/d": ((7, 50000), "float32", (7, 25000)),
+}
+
+
+def _blocks(shape: tuple[int, ...], block: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Offsets of the blocks of a tensor, in C order (rank r writes the r-th)."""
+    grid = [range(0, s, b) for s, b in zip(shape, block, strict=True)]
+    return [
+        tuple(o) for o in np.stack(np.meshgrid(*grid, indexing="ij"), -1).reshape(-1, len(shape))
+    ]
+
+
+def test_direct_part_shards_are_the_bytes_tensorstore_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Parts of a multi-process job (process 0's through the store writer, the others'
+    through PartWriter s, here in one process) that are one whole shard each are written
+    straight to their files: the same bytes as TensorStore's shards of the whole tensor."""
+    direct: list[str] = []
+    finish = wr._DirectShard.finish
+    monkeypatch.setattr(wr._DirectShard, "finish", lambda s: (direct.append(s.path), finish(s))[1])
+    url = str(tmp_path / "run")
+    rng = np.random.default_rng(0)
+    full = {n: (rng.normal(size=s) * 100).astype(d) for n, (s, d, _) in BLOCKS.items()}
+    offsets = {n: _blocks(s, b) for n, (s, _, b) in BLOCKS.items()}
+
+    def part(n: str, rank: int) -> wr.Part:
+        shape, dtype, block = BLOCKS[n]
+        if rank >= len(offsets[n]):
+            return wr.Part(None, (0,) * len(shape), shape, block, dtype)
+        o = offsets[n][rank]
+        sel = tuple(slice(i, i + b) for i, b in zip(o, block, strict=True))
+        return wr.Part(full[n][sel].copy(), o, shape, block, dtype)
+
+    names = sorted(BLOCKS)
+    rec = tt.Recorder(url, tt.CapturePolicy(full_every=1, kinds=("param",)), system_metrics=False)
+    rec.declare([_spec(n, s, d) for n, (s, d, _) in BLOCKS.items()])
+    rec.record_stats(0, "param", np.zeros((len(names), N_STATS)), names=names,
+                     snapshots={n: part(n, 0) for n in names})  # fmt: skip
+    rec.flush()  # process 0 has created the arrays (step 0 stays open: not committed)
+    manifest = tt.open_run(url).manifest  # so the other "processes" write snapshot 0
+    assert manifest.commit.snapshots.get(Kind.PARAM, 0) == 0
+    for rank in (1, 2, 3):
+        pw = wr.PartWriter(url, rank, manifest, timeout=10)
+        pw.put(wr.Snapshot(0, Kind.PARAM, {n: part(n, rank) for n in names}))
+        pw.close()
+        assert pw.error is None, pw.error
+    rec.close()
+    assert tt.validate(url).ok
+    run = tt.open_run(url)
+    for n in names:
+        np.testing.assert_array_equal(run.snapshot(n, "param", 0), full[n])
+    layout = run.manifest.layout
+    for n, (shape, dtype, block) in BLOCKS.items():
+        other = tmp_path / ("ts_" + n.replace("/", "_"))
+        ts.open({
+            "driver": "zarr3",
+            "kvstore": {"driver": "file", "path": str(other)},
+            "metadata": L.snapshot_metadata(layout, n, 4, shape, dtype, block),
+            "store_data_equal_to_fill_value": True,
+        }, create=True).result()[0].write(full[n]).result()  # fmt: skip
+        ours = tmp_path / "run" / L.snapshot_path("param", n)
+        theirs = sorted(p.relative_to(other) for p in (other / "c").rglob("*") if p.is_file())
+        assert theirs == sorted(p.relative_to(ours) for p in (ours / "c").rglob("*") if p.is_file())
+        for key in theirs:
+            assert (ours / key).read_bytes() == (other / key).read_bytes(), (n, key)
+    whole = sum(len(offsets[n]) for n in names) - 1  # all but the partial block of b/c
+    assert len(direct) == whole
+    assert not list((tmp_path / "run").rglob("*.__lock"))
 
 
 def _stream(rec: tt.Recorder, step: int, tensors: dict[str, np.ndarray]) -> object:
