@@ -32,7 +32,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NoReturn
 
 import tensorstore as ts
 
@@ -156,16 +156,27 @@ class WriterClaim:
             return
         self.info = ClaimInfo(**{**asdict(self.info), "heartbeat": time.time()})
         if not self._write(self._generation):
-            other, _ = self._read()
-            self._generation = None
-            if other is None:
-                raise StoreError(
-                    f"{self.url}: the store was removed or moved while this Recorder wrote "
-                    f"it (its writer claim {CLAIM_KEY} is gone)"
-                )
+            self._lost(self._read()[0])
+
+    def _lost(self, other: ClaimInfo | None) -> NoReturn:
+        """Raise that the claim is gone (``other``: who holds it now, if anyone)."""
+        self._generation = None
+        if other is None:
             raise StoreError(
-                f"{self.url}: another Recorder took the store over ({other.describe()})"
+                f"{self.url}: the store was removed or moved while this Recorder wrote "
+                f"it (its writer claim {CLAIM_KEY} is gone)"
             )
+        raise StoreError(f"{self.url}: another Recorder took the store over ({other.describe()})")
+
+    def verify(self) -> None:
+        """Check (one read, nothing written) that this Recorder still holds the claim;
+        raises :class:`StoreError` like :meth:`refresh` when it does not. The fence
+        before a commit when the heartbeat is recent."""
+        if self._generation is None:
+            return
+        other, gen = self._read()
+        if gen != self._generation:
+            self._lost(other)
 
     def release(self) -> None:
         """Remove the claim if this Recorder still holds it (best effort)."""
