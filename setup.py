@@ -65,6 +65,11 @@ def ffi_source_hash() -> str:
     return h.hexdigest()[:16]
 
 
+def host_source_hash() -> str:
+    """The hash of the host kernel's C source (as ``native.source_hash``)."""
+    return hashlib.sha256((ROOT / HOST_SOURCES[0]).read_bytes()).hexdigest()[:16]
+
+
 def xla_ffi_include() -> Path | None:
     """The include directory holding jaxlib's XLA FFI C header, or None."""
     dirs = []
@@ -119,7 +124,13 @@ class OptionalBuildExt(build_ext):
 
 
 def extensions() -> list[Extension]:
-    exts = [Extension("traintape.core._fused_prebuilt", sources=HOST_SOURCES)]
+    exts = [
+        Extension(
+            "traintape.core._fused_prebuilt",
+            sources=HOST_SOURCES,
+            define_macros=[("TT_SOURCE_HASH", f'"{host_source_hash()}"')],
+        )
+    ]
     include = xla_ffi_include()
     if include is None:
         print("traintape: jaxlib's XLA FFI header not found at build time; the JAX FFI "

@@ -63,6 +63,16 @@ def test_installed_package_uses_its_prebuilt_kernel_without_a_compiler(installed
     # without the prebuilt kernel and without a compiler: the numpy fallback, and why
     ok, backend, where, _ = _run(HOST_PROBE, installed, cache, {"TRAINTAPE_NO_PREBUILT": "1"})
     assert backend == "numpy" and "compiler" in where.lower(), (ok, backend, where)
+    # a prebuilt kernel built from other sources (an editable install keeps the old build
+    # after an edit) is not used: without a compiler, numpy, and the reason names it
+    src = installed / "traintape" / "core" / "_fused_stats.c"
+    text = src.read_text()
+    src.write_text(text + "\n/* edited after the build */\n")
+    try:
+        ok, backend, where, _ = _run(HOST_PROBE, installed, cache)
+    finally:
+        src.write_text(text)
+    assert backend == "numpy" and "other C sources" in where, (ok, backend, where)
 
 
 JAX_PROBE = (

@@ -11,6 +11,14 @@ to a temp file and renamed atomically), then loaded with ctypes. Without a worki
 compiler :func:`fused_lib` returns None and callers use the numpy reference.
 ``TRAINTAPE_NO_FUSED=1`` disables the kernel.
 
+The kernel caches the ``sig`` pattern's signs (a pure function of the canonical index:
+one bit per element, shared by all threads and calls of the process; see the sign cache
+in ``_fused_stats.c``) so that a step's stats pass reads them instead of hashing every
+index: at most 64 MiB per process (the signs of 2**29 elements), or
+``$TRAINTAPE_SIG_CACHE_MIB`` MiB (0: no cache, every index is hashed; the results are the
+same bit for bit). :func:`sig_cache_bytes` says how much it holds. The JAX FFI handler
+(its own shared object) has a cache of its own under the same limit.
+
 This module only builds and loads; calling the kernel is :mod:`traintape.core.stats`.
 """
 
@@ -138,21 +146,34 @@ def _load_fused() -> ctypes.CDLL | None:
         _why = "disabled by TRAINTAPE_NO_FUSED"
         return None
     lib = None
+    rejected = []
     for pre in prebuilt_paths():
         try:
-            lib = _checked(ctypes.CDLL(str(pre)), pre)
+            cand = _checked(ctypes.CDLL(str(pre)), pre)
+            cand.tt_source_hash.restype = ctypes.c_char_p
+            if cand.tt_source_hash().decode() != source_hash():
+                raise RuntimeError("built from other C sources than this traintape's")
+            lib = cand
             _origin = f"prebuilt at install ({pre.name})"
             break
         except Exception as e:  # stale or foreign build: compile one for this source
             _log.debug("traintape: prebuilt kernel %s not usable (%s)", pre, e)
+            rejected.append(f"prebuilt {pre.name} not used: {e}")
     if lib is None:
-        path = build_with_openmp("fused", [SOURCE])
+        try:
+            path = build_with_openmp("fused", [SOURCE])
+        except RuntimeError as e:
+            raise RuntimeError("; ".join([str(e), *rejected])) from e
         lib = _checked(ctypes.CDLL(str(path)), path)
         _origin = f"compiled at run time ({path})"
     fn = lib.tt_raw_stats
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int]
     lib.tt_has_openmp.restype = ctypes.c_int
+    lib.tt_sig_cache_limit.restype = ctypes.c_longlong
+    lib.tt_sig_cache_limit.argtypes = [ctypes.c_longlong]
+    lib.tt_sig_cache_bytes.restype = ctypes.c_longlong
+    lib.tt_sig_cache_bytes.argtypes = []
     _log.debug("traintape: fused stat kernel %s", _origin)
     return lib
 
@@ -165,8 +186,26 @@ def prebuilt_paths() -> list[Path]:
     return sorted(SOURCE.parent.glob("_fused_prebuilt*.so"))
 
 
+def source_hash() -> str:
+    """Hash of the kernel's C source; a prebuilt kernel carries the one it was built from
+    (``setup.py`` hashes the same file)."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+
+
+#: Functions this build's kernel exports: a library lacking one was built from older
+#: sources (e.g. a prebuilt kernel an editable install left behind) and is not used.
+REQUIRED_SYMBOLS: Final[tuple[str, ...]] = (
+    "tt_raw_stats",
+    "tt_raw_stats_mapped",
+    "tt_sig_cache_limit",
+    "tt_sig_cache_bytes",
+    "tt_source_hash",
+)
+
+
 def _checked(lib: ctypes.CDLL, path: Path) -> ctypes.CDLL:
-    """``lib`` if its raw fields are this build's (a kernel from another version is not)."""
+    """``lib`` if its raw fields and functions are this build's (a kernel from another
+    version is not)."""
     lib.tt_raw_names.restype = ctypes.c_char_p
     names = tuple(lib.tt_raw_names().decode().split(","))
     if names != RAW_NAMES:
@@ -174,6 +213,9 @@ def _checked(lib: ctypes.CDLL, path: Path) -> ctypes.CDLL:
             f"{path}: the kernel's raw fields {names} differ from traintape.schema.stats "
             f"{RAW_NAMES}; rebuild it (delete the file)"
         )
+    missing = [f for f in REQUIRED_SYMBOLS if not hasattr(lib, f)]
+    if missing:
+        raise RuntimeError(f"{path}: built from older sources (no {', '.join(missing)})")
     return lib
 
 
@@ -192,6 +234,21 @@ def fused_has_openmp() -> bool:
     """Whether the loaded kernel was built with OpenMP (False if unavailable)."""
     lib = fused_lib()
     return bool(lib is not None and lib.tt_has_openmp())
+
+
+def sig_cache_bytes() -> int:
+    """Bytes of ``sig`` signs the loaded kernel has cached (0 if unavailable)."""
+    lib = fused_lib()
+    return int(lib.tt_sig_cache_bytes()) if lib is not None else 0
+
+
+def sig_cache_limit(nbytes: int | None = None) -> int:
+    """The kernel's ``sig`` sign cache limit in bytes; with ``nbytes``, set it (signs
+    already cached stay) and return the previous one. 0 if the kernel is unavailable."""
+    lib = fused_lib()
+    if lib is None:
+        return 0
+    return int(lib.tt_sig_cache_limit(-1 if nbytes is None else max(0, int(nbytes))))
 
 
 def unavailable_reason() -> str:
