@@ -28,7 +28,15 @@ collectives line up):
       confirmed its own). Both variants end with a barrier: the time is the job's.
     Target: ≥ 0.8x raw.
 
-Usage: python benchmarks/distributed_overhead.py [--rounds 8] [--reps 3] [--quick]
+``--jax``: the same questions under ``jax.distributed`` (2 processes x 2 CPU devices, the
+MLP's kernels tensor-parallel over "model" and replicated over "data", a jitted step with
+``traintape.jax.value_and_grad``): (a) the step, the step plus a plain sum pass over the
+parameters inside it (the floor), the step with traintape's param stats every step — the
+target is stats ≤ 2x the floor's cost; (b) the full-capture step (every process writes
+the slabs its devices hold) minus the stats step, both flushed and ending with a barrier,
+vs 2 raw writers of the same bytes (each process half of every tensor, new files).
+
+Usage: python benchmarks/distributed_overhead.py [--rounds 8] [--reps 3] [--quick] [--jax]
 """
 
 from __future__ import annotations
@@ -170,11 +178,131 @@ def child(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: s
     dist.destroy_process_group()
 
 
+def child_jax(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: str) -> None:
+    """(b) for JAX: 2 processes x 2 CPU devices, kernels tensor-parallel over "model" and
+    replicated over "data"; each snapshot tensor is written by the processes holding it
+    (traintape.adapters.jax.blocks)."""
+    import itertools
+
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=world,
+                               process_id=rank, initialization_timeout=120)  # fmt: skip
+    import jax.numpy as jnp
+    import numpy as np
+    from _common import Timings, interleave, repeat
+    from jax.experimental import multihost_utils
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import traintape
+    import traintape.jax as tj
+
+    sizes = QUICK if args.quick else SIZES
+    mesh = Mesh(np.array(jax.devices()).reshape(2, -1), ("data", "model"))
+    rng = np.random.default_rng(0)
+    pairs = list(itertools.pairwise(sizes))
+    host = {f"l{i}": (rng.normal(size=ab) * 0.01).astype(np.float32) for i, ab in enumerate(pairs)}
+    specs = {k: P(None, "model") if i % 2 == 0 else P("model", None) for i, k in enumerate(host)}
+
+    def put(a: np.ndarray, s: P) -> jax.Array:
+        return jax.make_array_from_callback(a.shape, NamedSharding(mesh, s), lambda i: a[i])
+
+    params = {k: put(a, specs[k]) for k, a in host.items()}
+    xh = np.random.default_rng(1).normal(size=(64, sizes[0])).astype(np.float32)
+    x = put(xh, P("data", None))
+
+    def loss(p: dict, x: jax.Array) -> jax.Array:
+        h = x
+        for k in host:
+            h = jnp.tanh(h @ p[k])
+        return jnp.mean(h**2)
+
+    url = os.path.join(out_dir, "store_jax")
+    pol = traintape.CapturePolicy(full_every=1, kinds=("param",), snapshot_kinds=("param",))
+    rec = traintape.Recorder(url, pol)
+    plain = jax.jit(jax.value_and_grad(loss))
+    # the floor: the step plus one plain sum pass over the parameters, inside the step
+    summed = jax.jit(
+        lambda p, x: (jax.value_and_grad(loss)(p, x), [jnp.sum(v) for v in p.values()])
+    )
+    traced = jax.jit(tj.value_and_grad(loss, recorder=rec))
+    rec_stats = traintape.Recorder(url + "_stats", traintape.CapturePolicy(kinds=("param",)))
+    stats_only = jax.jit(tj.value_and_grad(loss, recorder=rec_stats))
+
+    def barrier() -> None:
+        multihost_utils.sync_global_devices("traintape-bench")
+
+    def compute() -> None:
+        jax.block_until_ready(plain(params, x))
+        barrier()
+
+    def floor_step() -> None:
+        jax.block_until_ready(summed(params, x))
+        barrier()
+
+    def traintape_step() -> None:
+        jax.block_until_ready(traced(params, x))
+        rec.flush()
+        barrier()
+
+    def stats_step(flush: bool = False) -> None:
+        jax.block_until_ready(stats_only(params, x))
+        if flush:
+            rec_stats.flush()
+        barrier()
+
+    # raw: each process writes half of every tensor's bytes (2 writers, same bytes)
+    d = os.path.join(out_dir, f"jax{rank}")
+    os.makedirs(d, exist_ok=True)
+    halves = [np.ascontiguousarray(np.array_split(a, world)[rank]) for a in host.values()]
+    raw_steps = itertools.count()
+
+    def raw_write() -> None:
+        name = f"raw{next(raw_steps)}"
+        for i, a in enumerate(halves):
+            with open(os.path.join(d, f"{name}_{i}.bin"), "wb") as f:
+                a.tofile(f)
+                f.flush()
+                os.fsync(f.fileno())
+        barrier()
+
+    traintape_step()  # traces, creates the arrays: setup, not throughput
+    stats_step()
+    w = interleave({
+        "compute": repeat("compute", compute, 1),
+        "floor": repeat("floor", floor_step, 1),
+        "stats": repeat("stats", stats_step, 1),
+        "stats_flush": repeat("stats_flush", lambda: stats_step(True), 1),
+        "raw": repeat("raw", raw_write, 1),
+        "traintape": repeat("traintape", traintape_step, 1),
+    }, args.rounds, Timings())  # fmt: skip
+    rec.close()
+    rec_stats.close()
+    if rank == 0:
+        mib = sum(a.nbytes for a in host.values()) / 2**20
+        c, st, fl = w.median("compute"), w.median("stats"), w.median("floor")
+        r, t, sf = w.median("raw"), w.median("traintape"), w.median("stats_flush")
+        snap = max(t - sf, 1e-9)
+        print(f"JAX MLP {sizes}, {world} processes x 2 CPU devices, tensor-parallel kernels")
+        print(f"(a) step {c:.1f} ms; + a sum pass over the params (floor) +{fl - c:.1f} ms; "
+              f"+ traintape's param stats +{st - c:.1f} ms ({st / c:.2f}x the step; "
+              f"{(st - c) / max(fl - c, 1e-9):.2f}x the floor's cost)")  # fmt: skip
+        print(f"(b) full snapshot of {mib:.1f} MiB per step, durable: raw 2 writers "
+              f"{mib / (r / 1e3):.0f} MiB/s ({r:.1f} ms); full-capture step {t:.1f} ms - "
+              f"stats step {sf:.1f} ms (both flushed) = {snap:.1f} ms for the snapshot "
+              f"({mib / (snap / 1e3):.0f} MiB/s): {r / snap:.2f}x raw (target >= 0.8x)")  # fmt: skip
+    jax.distributed.shutdown()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--jax", action="store_true",
+                    help="(b) for JAX under jax.distributed instead of torch FSDP2")  # fmt: skip
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     ap.add_argument("--dir", default=None, help="where the stores go (default: a temp dir)")
     args = ap.parse_args()
@@ -182,7 +310,7 @@ def main() -> None:
         args.rounds, args.reps = 2, 1
     if args.child:
         rank, port, out_dir = args.child
-        child(int(rank), 2, int(port), args, out_dir)
+        (child_jax if args.jax else child)(int(rank), 2, int(port), args, out_dir)
         return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -190,9 +318,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.dir) as out_dir:
         extra = ["--quick"] if args.quick else ["--rounds", str(args.rounds), "--reps",
                                                  str(args.reps)]  # fmt: skip
+        env = dict(os.environ)
+        if args.jax:
+            extra.append("--jax")
+            env.update(JAX_PLATFORMS="cpu",
+                       XLA_FLAGS="--xla_force_host_platform_device_count=2")  # fmt: skip
         t0 = time.perf_counter()
         procs = [subprocess.Popen([sys.executable, __file__, *extra, "--child", str(r),
-                                   str(port), out_dir]) for r in range(2)]  # fmt: skip
+                                   str(port), out_dir], env=env) for r in range(2)]  # fmt: skip
         try:
             codes = [p.wait(timeout=1800) for p in procs]
         finally:

@@ -4,11 +4,11 @@ Under ``jax.distributed`` the step's tensors are global arrays spread over every
 devices. Gathering a snapshot tensor onto one device (what a plain host callback does)
 moves all of it through process 0. Instead, on full-capture steps each snapshot tensor
 that can be split evenly is re-laid out *inside the compiled step* so that every device
-holds one distinct slab of it (:func:`spread`: a sharding over all devices in
+holds one distinct slab of it (:func:`hand_over`: a sharding over all devices in
 process-major order, along the first axis whose size the device count divides — no
-replicas, so no two processes hold the same element), and a *partitioned* debug
-callback hands each device its slab on its own process (no host fetch of
-non-addressable data, no collective outside the step). Each process joins its devices'
+replicas, so no two processes hold the same element), and a per-device host callback
+(``buffer_callback`` in a ``shard_map``) hands each device's slab to its own process
+(no host fetch of non-addressable data, no collective outside the step). Each process joins its devices'
 slabs into one contiguous block (:class:`Blocks`) and writes it through
 :meth:`traintape.core.recorder.Recorder.put_blocks` at its global offset; the store's
 array of that tensor is sharded by the process block, so no two processes write one
@@ -16,7 +16,7 @@ shard. Process 0's rows for the step name those tensors with ``Part(None, ...,
 holders=True)`` and it commits the snapshot once every process confirmed its blocks.
 
 Tensors no axis of which the device count divides (and probe activations) still reach
-process 0 whole.
+process 0 whole, as do all snapshots where JAX lacks ``jax.experimental.buffer_callback``.
 """
 
 from __future__ import annotations
@@ -58,9 +58,9 @@ class Devices:
 
 @functools.cache
 def job_devices() -> Devices | None:
-    """The job's devices, if this is a multi-process job whose processes hold the same
-    number of devices (else None: snapshots reach process 0 whole)."""
-    if jax.process_count() < 2:
+    """The job's devices, if it has several and its processes hold the same number of
+    devices (else None: nothing is spread)."""
+    if jax.device_count() < 2:
         return None
     devs = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     per = collections.Counter(d.process_index for d in devs)
@@ -95,24 +95,31 @@ class Split:
         o[self.axis] = self.devices.process * self.block[self.axis]
         return tuple(o)
 
+    def spec(self, mesh: Mesh) -> P:
+        """The partition spec that spreads the tensor over every axis of ``mesh``."""
+        spec: list[Any] = [None] * len(self.shape)
+        spec[self.axis] = tuple(mesh.axis_names)
+        return P(*spec)
+
     def placeholder(self) -> Part:
         """What process 0's rows name for the tensor: the blocks come from the holders."""
         return Part(None, (0,) * len(self.shape), self.shape, self.block, self.dtype, True)
 
 
-def split_for(a: jax.Array) -> Split | None:
-    """The :class:`Split` of the (traced) snapshot tensor ``a``, or None if it reaches
-    process 0 whole: a single-process job, unequal devices per process, no axis the
-    device count divides, or a program whose mesh this cannot lay out on (manual axes
-    of ``shard_map``; a mesh over a subset of the devices)."""
+def split_for(a: jax.Array, *, holders: bool = True) -> Split | None:
+    """The :class:`Split` of the (traced) tensor ``a``, or None if it is not spread: a
+    single device, unequal devices per process, no axis the device count divides, or a
+    program that is not on a mesh of every device (one without a mesh, e.g. on a single
+    device, is never spread out; manual axes of ``shard_map``). ``holders``: for
+    snapshots written by their holders (also None in a single-process job, or without
+    ``buffer_callback``)."""
     devs = job_devices()
-    if devs is None:
+    if devs is None or (holders and (devs.processes < 2 or not holders_supported())):
         return None
-    mesh = _program_mesh(a)
-    if mesh is not None:
-        sizes = tuple(getattr(mesh, "axis_sizes", ()) or ())
-        if getattr(mesh, "manual_axes", ()) or (sizes and int(np.prod(sizes)) != devs.count):
-            return None
+    mesh = program_mesh(a)  # only a program already spread over every device: never
+    sizes = tuple(getattr(mesh, "axis_sizes", ()) or ())  # one placed on fewer devices
+    if getattr(mesh, "manual_axes", ()) or not sizes or int(np.prod(sizes)) != devs.count:
+        return None
     shape = tuple(np.shape(a))
     for axis, n in enumerate(shape):
         if n >= devs.count and n % devs.count == 0:
@@ -120,7 +127,7 @@ def split_for(a: jax.Array) -> Split | None:
     return None
 
 
-def _program_mesh(a: jax.Array) -> Any:
+def program_mesh(a: jax.Array) -> Any:
     """The abstract mesh of the program ``a`` is traced in (from its type), or None."""
     typeof = getattr(jax, "typeof", None)  # (jax >= 0.6)
     try:
@@ -129,38 +136,75 @@ def _program_mesh(a: jax.Array) -> Any:
         return None
 
 
-def spread(a: jax.Array, split: Split, step: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(traced) ``a`` laid out as ``split`` says, the global index along its axis laid
-    out alike (each device's first entry: where its slab starts), and ``step``
-    replicated on every device (the result of a host callback, e.g. the automatic step
-    number, lives on device 0 only: a partitioned callback elsewhere would read 0).
+def spread(a: jax.Array) -> jax.Array:
+    """(traced) ``a`` laid out as its :func:`split_for` says (one slab per device, no
+    replicas), or ``a`` itself if it is not spread. The layout the stats kernel and the
+    holders' snapshots read it in: constrained once, it is resharded once."""
+    sp = split_for(a, holders=False)
+    if sp is None:
+        return a
+    mesh = mesh_like(program_mesh(a), sp.devices)
+    return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, sp.spec(mesh)))
+
+
+def hand_over(a: jax.Array, split: Split, step: jax.Array, put: Callable[..., None]) -> jax.Array:
+    """(traced) Spread ``a`` as ``split`` says and call ``put(step, k, slab)`` on the
+    process of device ``k`` (of the process-major order) with the slab that device holds;
+    returns int32 1 (a value to depend on).
 
     A jitted program may use one mesh shape only, so the layout is expressed on the
     program's own mesh (found in ``a``'s type) with the job's devices placed in it in
-    process-major order, sharded over all of its axes at once: device ``k`` of that
-    order holds slab ``k``."""
-    mesh = _mesh_like(_program_mesh(a), split.devices)
+    process-major order, sharded over all of its axes at once. The per-device call is a
+    ``buffer_callback`` inside a ``shard_map`` over that mesh: it sees the device's own
+    buffer (``put`` copies it before returning), and the device's index comes from
+    ``axis_index``. (``jax.debug.callback(partitioned=True)`` hands the callback arrays
+    placed on the process's first device; fetching them from two devices' callbacks at
+    once hangs under ``jax.distributed`` once a slab is a few MiB.)"""
+    from jax.experimental.buffer_callback import buffer_callback
+
+    mesh = mesh_like(program_mesh(a), split.devices)
     axes = tuple(mesh.axis_names)
-    spec: list[Any] = [None] * a.ndim
-    spec[split.axis] = axes
-    a = jax.lax.with_sharding_constraint(a, NamedSharding(mesh, P(*spec)))
-    pos = jnp.arange(split.shape[split.axis], dtype=jnp.int32)
-    pos = jax.lax.with_sharding_constraint(pos, NamedSharding(mesh, P(axes)))
-    step = jax.lax.with_sharding_constraint(step, NamedSharding(mesh, P()))
-    return a, pos, step
+
+    def host(ctx: Any, out: Any, slab: Any, index: Any, at: Any) -> None:
+        put(int(np.asarray(at)), int(np.asarray(index)), np.asarray(slab))
+
+    call = buffer_callback(host, (), has_side_effect=True)
+
+    def per_device(slab: jax.Array, at: jax.Array) -> jax.Array:
+        call(slab, jax.lax.axis_index(axes), at)
+        return jnp.ones((), jnp.int32)
+
+    return shard_map_all(per_device, mesh, (split.spec(mesh), P()), P())(
+        a, jnp.asarray(step, jnp.int32)
+    )
+
+
+def shard_map_all(f: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any) -> Any:
+    sm = getattr(jax, "shard_map", None)
+    if sm is not None:
+        return sm(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    from jax.experimental.shard_map import shard_map  # (jax < 0.7)
+
+    return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
+def holders_supported() -> bool:
+    """Whether this JAX has what :func:`hand_over` needs (``buffer_callback``)."""
+    try:
+        from jax.experimental.buffer_callback import buffer_callback  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @functools.cache
-def _mesh_like(abstract: Any, devices: Devices) -> Mesh:
-    """A mesh of the same shape and axes as ``abstract`` (the program's), or a 1-D one
-    if the program has none, over the job's devices in process-major order."""
+def mesh_like(abstract: Any, devices: Devices) -> Mesh:
+    """A mesh of the same shape and axes as ``abstract`` (the program's) over the job's
+    devices in process-major order."""
     devs = np.array(devices.mesh.devices).reshape(-1)
-    sizes = tuple(getattr(abstract, "axis_sizes", ()) or ())
-    if not sizes:
-        return devices.mesh
     types = getattr(abstract, "axis_types", None)
     kw = {} if types is None else {"axis_types": tuple(types)}
-    return Mesh(devs.reshape(sizes), tuple(abstract.axis_names), **kw)
+    return Mesh(devs.reshape(tuple(abstract.axis_sizes)), tuple(abstract.axis_names), **kw)
 
 
 class Blocks:
@@ -183,35 +227,52 @@ class Blocks:
         self.kinds, self.names, self.splits = kinds, names, splits
         self.run = run
         self._want = collections.Counter(kinds.values())
-        self._slabs: dict[tuple[int, int], dict[int, np.ndarray]] = {}
+        self._slabs: dict[tuple[int, int], list[Any]] = {}  # (step, j): [block, slabs in]
         self._done: dict[tuple[int, Kind], dict[str, Part]] = {}
         self._lock = threading.Lock()
 
-    def put(self, j: int, step: Any, pos: Any, slab: Any) -> None:
-        """(device callback) the slab of spread tensor ``j`` starting at global index
-        ``pos[0]`` along its axis, at ``step``."""
-        s, start = int(np.asarray(step)), int(np.asarray(pos).reshape(-1)[0])
-        copy = np.array(slab, copy=True)  # the callback's buffer lives only for the call
-        self.run(lambda: self._add(j, s, start, copy))
+    def put(self, j: int, step: int, device: int, slab: np.ndarray) -> None:
+        """(device callback, any thread) device ``device`` (process-major order) holds
+        ``slab`` of spread tensor ``j`` at ``step``: copied into this process's block
+        (``slab`` may be the callback's own buffer). A failure goes to ``run``."""
+        sp = self.splits[j]
+        local = device - sp.devices.process * sp.devices.local
+        try:
+            if not 0 <= local < sp.devices.local:
+                first = sp.devices.process * sp.devices.local
+                raise RuntimeError(
+                    f"traintape.jax: step {step}: a slab of {self.names[j]!r} from device "
+                    f"{device}, expected devices {first}..{first + sp.devices.local - 1} "
+                    f"of process {sp.devices.process}"
+                )
+            with self._lock:
+                entry = self._slabs.get((step, j))
+                if entry is None:
+                    entry = self._slabs[(step, j)] = [np.empty(sp.block, slab.dtype), 0]
+            at: list[Any] = [slice(None)] * len(sp.block)
+            at[sp.axis] = slice(local * sp.rows, (local + 1) * sp.rows)
+            entry[0][tuple(at)] = slab  # the copy, outside the lock
+            with self._lock:
+                entry[1] += 1
+                if entry[1] < sp.devices.local:
+                    return
+                del self._slabs[(step, j)]
+        except BaseException as e:
+            err = e
 
-    def _add(self, j: int, step: int, start: int, slab: np.ndarray) -> None:
+            def fail() -> None:
+                raise err
+
+            self.run(fail)
+            return
+        self.run(lambda: self._complete(j, step, entry[0]))
+
+    def _complete(self, j: int, step: int, block: np.ndarray) -> None:
+        """Tensor ``j``'s block at ``step`` is whole: hand over what is ready."""
         sp = self.splits[j]
         with self._lock:
-            got = self._slabs.setdefault((step, j), {})
-            got[start] = slab
-            if len(got) < sp.devices.local:
-                return
-            del self._slabs[(step, j)]
-            data = np.concatenate([got[k] for k in sorted(got)], axis=sp.axis)
-            if data.shape != sp.block or min(got) != sp.offset[sp.axis]:
-                raise RuntimeError(
-                    f"traintape.jax: step {step}: the devices of process "
-                    f"{sp.devices.process} hold {self.names[j]!r} rows from {min(got)} "
-                    f"of shape {data.shape}, expected {sp.block} from {sp.offset[sp.axis]}"
-                )
-            kind = self.kinds[j]
-            parts = self._done.setdefault((step, kind), {})
-            parts[self.names[j]] = Part(data, sp.offset, sp.shape, sp.block, sp.dtype, True)
+            parts = self._done.setdefault((step, self.kinds[j]), {})
+            parts[self.names[j]] = Part(block, sp.offset, sp.shape, sp.block, sp.dtype, True)
             ready = self._ready()
         for (s, k), blocks in ready:
             self.recorder.put_blocks(s, k, blocks)

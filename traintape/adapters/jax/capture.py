@@ -39,9 +39,9 @@ from traintape.core.writer import Part
 from traintape.schema import CapturePolicy, Kind
 from traintape.schema.stats import activation_map, index_map
 
-from .blocks import Blocks, Split, split_for, spread
+from .blocks import Blocks, Split, hand_over, split_for, spread
 from .names import Leaf, specs_for
-from .stats import device_stats
+from .stats import device_stats, stats_mode
 
 
 class Pump:
@@ -187,6 +187,8 @@ def emit(
             specs_for(g.leaves, g.kind, g.layer_kinds), in_forward_order=g.in_forward_order
         )
     arrays = [[lf.canonical(g.arrays[lf.index]) for lf in g.leaves] for g in groups]
+    if stats_mode() == "kernel":  # over several devices: spread once, for stats and snapshots
+        arrays = [[spread(a) for a in arrs] for arrs in arrays]
     sizes = [len(g.leaves) for g in groups]
     # stats of a leaf held permuted (equinox) are taken in its own layout, the sig
     # pattern following the canonical index (no transposed copy for the kernel); an
@@ -244,7 +246,7 @@ def emit(
         s = auto.next() if auto is not None and step_v is None else int(step_v)
 
         def apply() -> None:  # in the pump: a failure stops capture, never the step
-            raw = decode(np.asarray(stats_v))
+            raw = decode(stats_v)
             snaps = pending.take(s, shipped, splits) if shipped is not None else None
             _apply(recorder, s, kinds, names, sizes, raw, snaps, snap_groups)
 
@@ -322,7 +324,7 @@ def _ship_snapshots(
     A group whose snapshots come from a function (the probe batch's activations) runs it
     inside one cond, on full-capture steps only. A tensor with a split in ``blocks``
     (multi-process) is spread over the job's devices and handed to ``blocks`` by one
-    partitioned callback per device instead (:mod:`.blocks`)."""
+    callback per device instead (:mod:`.blocks`)."""
     full = policy.is_full(step)
     flags: list[jax.Array] = []
     out = jax.ShapeDtypeStruct((), jnp.int32)
@@ -330,11 +332,8 @@ def _ship_snapshots(
     def send(k: int, a: jax.Array) -> jax.Array:
         return io_callback(functools.partial(pending.put, k), out, step, a, ordered=False)
 
-    def hand_over(blocks: Blocks, k: int, a: jax.Array) -> jax.Array:
-        slab, pos, at = spread(a, blocks.splits[k], step)
-        cb = functools.partial(blocks.put, k)
-        jax.debug.callback(cb, at, pos, slab, partitioned=True)
-        return jnp.int32(1)
+    def to_holders(blocks: Blocks, k: int, a: jax.Array) -> jax.Array:
+        return hand_over(a, blocks.splits[k], step, functools.partial(blocks.put, k))
 
     j = 0
     for i in snap_groups:
@@ -351,7 +350,7 @@ def _ship_snapshots(
         else:
             for k, a in zip(idx, arrays[i], strict=True):
                 if blocks is not None and k in blocks.splits:
-                    send_k = functools.partial(hand_over, blocks, k)
+                    send_k = functools.partial(to_holders, blocks, k)
                 else:
                     send_k = functools.partial(send, k)
                 shipped = jax.lax.cond(full, lambda f=send_k, a=a: f(a), lambda: jnp.int32(0))

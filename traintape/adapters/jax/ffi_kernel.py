@@ -35,12 +35,14 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from traintape.core import native
 from traintape.schema.stats import N_RAW, IndexMap
@@ -248,6 +250,83 @@ def raw_rows(
         table = _map_operand(m, jnp.shape(a))
         rows.append(call(_operand(a)) if table is None else call(_operand(a), table))
     return jnp.concatenate(rows)
+
+
+def spread_raw_rows(
+    arrays: Sequence[jax.Array],
+    maps: Sequence[IndexMap | None],
+    splits: Sequence[Any],
+) -> tuple[Any, Callable[[Any], np.ndarray]]:
+    """:func:`raw_rows` of arrays of a multi-device computation, each device reducing
+    one slab (``splits``: a :class:`~traintape.adapters.jax.blocks.Split` per array, or
+    None for an array reduced whole as by :func:`raw_rows`).
+
+    A custom call has no partitioning rule: under XLA's partitioner its operands are
+    gathered whole onto every device. Spread arrays are therefore reduced inside one
+    ``shard_map`` over every device (no replicas: each element once), each device's
+    slab with its index map moved to where the slab starts (for ``sig``; the offset is
+    the device's ``axis_index`` times the slab's extent, computed on the device), and
+    the per-device rows are gathered (tiny) and merged exactly on the host.
+    Returns ``(payload, decode)`` as :func:`traintape.adapters.jax.stats.device_stats`.
+    """
+    from traintape.core.stats import map_words
+    from traintape.schema.stats import empty_raw, merge_all
+
+    from .blocks import mesh_like, program_mesh, shard_map_all
+
+    if not available():
+        raise RuntimeError(
+            f"traintape's JAX FFI stat kernel is unavailable ({unavailable_reason()})"
+        )
+    call = jax.ffi.ffi_call(
+        TARGET, jax.ShapeDtypeStruct((1, 2 * N_RAW), jnp.uint32), vmap_method="sequential"
+    )
+    spread = [i for i, sp in enumerate(splits) if sp is not None]
+    first = splits[spread[0]]
+    count = first.devices.count
+    mesh = mesh_like(program_mesh(arrays[spread[0]]), first.devices)
+    axes = tuple(mesh.axis_names)
+    tables, steps = [], []
+    for i in spread:
+        sp, a, m = splits[i], arrays[i], maps[i]
+        shape = tuple(jnp.shape(a))
+        if m is None:  # the identity: row-major strides of the array itself
+            m = IndexMap(
+                tuple(int(np.prod(shape[k + 1 :], dtype=np.int64)) for k in range(len(shape)))
+            )
+        slab = tuple(sp.rows if k == sp.axis else n for k, n in enumerate(shape))
+        w = map_words(m, slab)
+        if w is None:
+            raise ValueError(f"index map {m} has too many axes for the FFI kernel")
+        tables.append(np.array(w, dtype=np.int64).astype(np.uint32))
+        steps.append(np.uint32((sp.rows * m.strides[sp.axis]) % 2**32))
+
+    def per_device(*slabs: jax.Array) -> jax.Array:
+        idx = jax.lax.axis_index(axes).astype(jnp.uint32)
+        rows = []
+        for slab, table, step in zip(slabs, tables, steps, strict=True):
+            t = jnp.asarray(table).at[1].add(step * idx)  # uint32: wraps mod 2**32
+            rows.append(call(_operand(slab), jax.lax.bitcast_convert_type(t, jnp.int32)))
+        return jax.lax.all_gather(jnp.concatenate(rows), axes)  # [count, n, 2 N_RAW]
+
+    specs = tuple(splits[i].spec(mesh) for i in spread)
+    gathered = shard_map_all(per_device, mesh, specs, P())(*(arrays[i] for i in spread))
+    whole = [i for i, sp in enumerate(splits) if sp is None]
+    rest = raw_rows([arrays[i] for i in whole], [maps[i] for i in whole]) if whole else None
+    payload = (gathered, rest)
+    n = len(arrays)
+
+    def decode_spread(got: Any) -> np.ndarray:
+        parts, others = got
+        parts = np.ascontiguousarray(parts, dtype=np.uint32).view(np.float64)
+        merged = merge_all(parts.reshape(count, len(spread), N_RAW))
+        out = empty_raw(n)
+        out[spread] = merged
+        if whole:
+            out[whole] = decode(others)
+        return out
+
+    return payload, decode_spread
 
 
 def decode(rows: np.ndarray) -> np.ndarray:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -290,17 +291,29 @@ def stats_backend() -> str:
 
 def device_stats(
     arrays: Sequence[jax.Array], maps: Sequence[IndexMap | None] | None = None
-) -> tuple[jax.Array, Callable[[np.ndarray], np.ndarray]]:
+) -> tuple[Any, Callable[[Any], np.ndarray]]:
     """Stats of ``arrays`` inside the computation being traced, plus the host decoder.
 
     Returns ``(payload, decode)``: ``payload`` is the small device array to send to the
     host (the raw rows of :func:`raw_matrix`, or the FFI kernel's), and
-    ``decode(np.asarray(payload))`` gives the raw rows ``[n, N_RAW]`` float64 of
+    ``decode(payload)`` (the payload as the host callback receives it: numpy leaves of
+    the same pytree) gives the raw rows ``[n, N_RAW]`` float64 of
     :mod:`traintape.schema.stats` (finalized by the recorder). ``maps``: each array's
     :class:`~traintape.schema.stats.IndexMap` (None: identity).
+
+    With the FFI kernel in a computation over several devices, arrays that spread
+    evenly over them are reduced one slab per device
+    (:func:`traintape.adapters.jax.ffi_kernel.spread_raw_rows`): a custom call's
+    operands would otherwise be gathered whole onto every device. XLA's reductions are
+    partitioned by XLA itself.
     """
     if stats_mode() == "kernel":
         from . import ffi_kernel
+        from .blocks import split_for
 
+        splits = [split_for(a, holders=False) for a in arrays]
+        if any(sp is not None for sp in splits):
+            mp = [None] * len(arrays) if maps is None else list(maps)
+            return ffi_kernel.spread_raw_rows(arrays, mp, splits)
         return ffi_kernel.raw_rows(arrays, maps), ffi_kernel.decode
     return raw_matrix(arrays, maps), decode_raw
