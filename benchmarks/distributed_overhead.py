@@ -282,13 +282,14 @@ def child_jax(rank: int, world: int, port: int, args: argparse.Namespace, out_di
     rec_stats.close()
     if rank == 0:
         mib = sum(a.nbytes for a in host.values()) / 2**20
-        c, st, fl = w.median("compute"), w.median("stats"), w.median("floor")
+        c, st = w.median("compute"), w.median("stats")
         r, t, sf = w.median("raw"), w.median("traintape"), w.median("stats_flush")
         snap = max(t - sf, 1e-9)
         print(f"JAX MLP {sizes}, {world} processes x 2 CPU devices, tensor-parallel kernels")
-        print(f"(a) step {c:.1f} ms; + a sum pass over the params (floor) +{fl - c:.1f} ms; "
-              f"+ traintape's param stats +{st - c:.1f} ms ({st / c:.2f}x the step; "
-              f"{(st - c) / max(fl - c, 1e-9):.2f}x the floor's cost)")  # fmt: skip
+        df, ds = w.delta("floor", "compute")[0], w.delta("stats", "compute")[0]  # paired
+        print(f"(a) step {c:.1f} ms; + a sum pass over the params (floor) +{df:.1f} ms; "
+              f"+ traintape's param stats +{ds:.1f} ms ({st / c:.2f}x the step; "
+              f"{ds / max(df, 1e-9):.2f}x the floor's cost; paired deltas)")  # fmt: skip
         print(f"(b) full snapshot of {mib:.1f} MiB per step, durable: raw 2 writers "
               f"{mib / (r / 1e3):.0f} MiB/s ({r:.1f} ms); full-capture step {t:.1f} ms - "
               f"stats step {sf:.1f} ms (both flushed) = {snap:.1f} ms for the snapshot "
