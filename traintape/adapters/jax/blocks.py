@@ -16,7 +16,9 @@ shard. Process 0's rows for the step name those tensors with ``Part(None, ...,
 holders=True)`` and it commits the snapshot once every process confirmed its blocks.
 
 Tensors no axis of which the device count divides (and probe activations) still reach
-process 0 whole, as do all snapshots where JAX lacks ``jax.experimental.buffer_callback``.
+process 0 whole, as do all snapshots off the CPU backend (the per-device callback's
+buffers are device memory on GPU; TPU has no such callback) or where JAX lacks
+``jax.experimental.buffer_callback``.
 """
 
 from __future__ import annotations
@@ -111,10 +113,14 @@ def split_for(a: jax.Array, *, holders: bool = True) -> Split | None:
     single device, unequal devices per process, no axis the device count divides, or a
     program that is not on a mesh of every device (one without a mesh, e.g. on a single
     device, is never spread out; manual axes of ``shard_map``). ``holders``: for
-    snapshots written by their holders (also None in a single-process job, or without
+    snapshots written by their holders (also None in a single-process job, off the CPU
+    backend — the callback's buffers are host memory there only — or without
     ``buffer_callback``)."""
     devs = job_devices()
-    if devs is None or (holders and (devs.processes < 2 or not holders_supported())):
+    if devs is None or (
+        holders
+        and (devs.processes < 2 or jax.default_backend() != "cpu" or not holders_supported())
+    ):
         return None
     mesh = program_mesh(a)  # only a program already spread over every device: never
     sizes = tuple(getattr(mesh, "axis_sizes", ()) or ())  # one placed on fewer devices
@@ -166,7 +172,7 @@ def hand_over(a: jax.Array, split: Split, step: jax.Array, put: Callable[..., No
     axes = tuple(mesh.axis_names)
 
     def host(ctx: Any, out: Any, slab: Any, index: Any, at: Any) -> None:
-        put(int(np.asarray(at)), int(np.asarray(index)), np.asarray(slab))
+        put(at, index, slab)  # buffers: read (and failures kept) by Blocks.put
 
     call = buffer_callback(host, (), has_side_effect=True)
 
@@ -231,13 +237,16 @@ class Blocks:
         self._done: dict[tuple[int, Kind], dict[str, Part]] = {}
         self._lock = threading.Lock()
 
-    def put(self, j: int, step: int, device: int, slab: np.ndarray) -> None:
+    def put(self, j: int, step: Any, device: Any, slab: Any) -> None:
         """(device callback, any thread) device ``device`` (process-major order) holds
-        ``slab`` of spread tensor ``j`` at ``step``: copied into this process's block
-        (``slab`` may be the callback's own buffer). A failure goes to ``run``."""
+        ``slab`` of spread tensor ``j`` at ``step`` (scalars and array, or the
+        callback's own buffers): copied into this process's block. A failure goes to
+        ``run`` (capture stops; the step goes on unless the recorder is strict)."""
         sp = self.splits[j]
-        local = device - sp.devices.process * sp.devices.local
         try:
+            step, device = int(np.asarray(step)), int(np.asarray(device))
+            slab = np.asarray(slab)
+            local = device - sp.devices.process * sp.devices.local
             if not 0 <= local < sp.devices.local:
                 first = sp.devices.process * sp.devices.local
                 raise RuntimeError(
