@@ -24,7 +24,7 @@ class _Rec:
 def _blocks(process: int = 1) -> tuple[Blocks, _Rec]:
     # 2 processes x 2 devices; tensor "w" (8, 3) spread along axis 0 (2 rows a device),
     # "b" (4,) along axis 0 (1 row a device)
-    devs = Devices(mesh=None, local=2, process=process, processes=2)  # type: ignore[arg-type]
+    devs = Devices(order=(), local=2, process=process, processes=2)
     splits = {
         0: Split((8, 3), "float32", 0, 2, devs),
         1: Split((4,), "float32", 0, 1, devs),

@@ -17,6 +17,7 @@ plus the open step.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import platform
 import socket
@@ -627,9 +628,7 @@ class Recorder:
                         f"put_blocks: tensor {n!r} ({kind.value}) at step {step} is not declared"
                     )
                 _check_part(specs[n], p, step)
-                target = storage_dtype(p.dtype)
-                data = None if p.data is None else np.asarray(p.data, dtype=target)
-                owned[n] = Part(data, p.offset, p.shape, p.block, target.name, p.holders)
+                owned[n] = _stored_part(p)
         writer.put(Snapshot(step, kind, owned))
 
     def record_raw(
@@ -876,9 +875,7 @@ class Recorder:
                 shapes[n] = list(a.shape)
             for n, a in snaps.items():
                 if isinstance(a, Part):  # this process's block: the adapter's own copy
-                    target = storage_dtype(a.dtype)
-                    data = a.data if a.data is None else np.asarray(a.data, dtype=target)
-                    owned[n] = Part(data, a.offset, a.shape, a.block, target.name, a.holders)
+                    owned[n] = _stored_part(a)
                     continue
                 target = storage_dtype(a.dtype)
                 owned[n] = np.array(a, dtype=target, copy=True) if copy or target != a.dtype else a
@@ -1068,6 +1065,14 @@ class KindRows:
     """Names among ``names`` not recorded at this step (their raw rows are ignored and
     their stat vectors stored as all-NaN: "not recorded", e.g. a frozen weight read only
     on full-capture steps); they must have no snapshot."""
+
+
+def _stored_part(p: Part) -> Part:
+    """``p`` with its data in the store's dtype (:func:`storage_dtype`; no copy when it
+    already is)."""
+    target = storage_dtype(p.dtype)
+    data = None if p.data is None else np.asarray(p.data, dtype=target)
+    return dataclasses.replace(p, data=data, dtype=target.name)
 
 
 def _check_part(spec: TensorSpec, p: Part, step: int) -> None:

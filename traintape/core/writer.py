@@ -116,6 +116,13 @@ _IOV = 1020  # iovecs per writev (IOV_MAX is 1024 on Linux)
 _FSYNC_THREADS = 4
 """Shards made durable side by side (:meth:`_DirectShard.finish`): concurrent fsyncs
 share journal commits (ext4 here: 2 threads took 18-32% longer than 4, 2 writer processes)."""
+
+
+def _fsync_pool() -> ThreadPoolExecutor:
+    """The pool that makes finished shards durable (:meth:`_DirectShard.finish`)."""
+    return ThreadPoolExecutor(_FSYNC_THREADS, thread_name_prefix="traintape-fsync")
+
+
 _TMP = itertools.count()
 STREAM_BYTES = 192 << 20
 """Streamed snapshot pieces (:class:`Piece`) held at most (copied, not yet written)
@@ -890,7 +897,7 @@ class StoreWriter(_QueueWorker):
 
     def _io_pool(self) -> ThreadPoolExecutor:
         if self._io is None:
-            self._io = ThreadPoolExecutor(_FSYNC_THREADS, thread_name_prefix="traintape-fsync")
+            self._io = _fsync_pool()
         return self._io
 
     def _abort_stream(self, kind: Kind) -> None:
@@ -1212,7 +1219,7 @@ class PartWriter(_QueueWorker):
                 continue
             _fill(shard, value.data)
             if self._io is None:
-                self._io = ThreadPoolExecutor(_FSYNC_THREADS, thread_name_prefix="traintape-fsync")
+                self._io = _fsync_pool()
             futures.append(self._io.submit(shard.finish()))  # fsyncs side by side
         for f in futures:
             f.result()  # durable before the progress record says so

@@ -40,14 +40,13 @@ from traintape.core import Recorder
 from traintape.core.writer import Part
 from traintape.schema import Kind
 
-AXIS = "traintape"
-
 
 @dataclass(frozen=True)
 class Devices:
     """Every device of the job in process-major order, and this process's place in it."""
 
-    mesh: Mesh
+    order: tuple[Any, ...]
+    """Every device, sorted by (process index, id)."""
     local: int
     """Devices per process (the same on every process)."""
     process: int
@@ -69,7 +68,7 @@ def job_devices() -> Devices | None:
     local = jax.local_device_count()
     if set(per.values()) != {local} or len(per) != jax.process_count():
         return None
-    return Devices(Mesh(np.array(devs), (AXIS,)), local, jax.process_index(), jax.process_count())
+    return Devices(tuple(devs), local, jax.process_index(), jax.process_count())
 
 
 @dataclass(frozen=True)
@@ -207,7 +206,7 @@ def holders_supported() -> bool:
 def mesh_like(abstract: Any, devices: Devices) -> Mesh:
     """A mesh of the same shape and axes as ``abstract`` (the program's) over the job's
     devices in process-major order."""
-    devs = np.array(devices.mesh.devices).reshape(-1)
+    devs = np.array(devices.order, dtype=object)
     types = getattr(abstract, "axis_types", None)
     kw = {} if types is None else {"axis_types": tuple(types)}
     return Mesh(devs.reshape(tuple(abstract.axis_sizes)), tuple(abstract.axis_names), **kw)
