@@ -11,7 +11,6 @@ import os
 import sys
 import tempfile
 
-os.environ.setdefault("USE_TF", "0")  # transformers: torch only
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import peft

@@ -80,7 +80,6 @@ def test_hf_llama_is_the_llm_block(stores, tmp_path):
     identical to it (conformance definition: initial params bit-identical, every step
     within the float32 tolerances)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("USE_TF", "0")
     transformers = pytest.importorskip("transformers")
     import torch
 

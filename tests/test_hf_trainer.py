@@ -15,7 +15,6 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
-os.environ.setdefault("USE_TF", "0")  # transformers: torch only (Keras 3 is installed)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

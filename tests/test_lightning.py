@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import copy
-import os
 
 import numpy as np
 import pytest
-
-os.environ.setdefault("USE_TF", "0")  # lightning may import transformers: torch only
 
 torch = pytest.importorskip("torch")
 L = pytest.importorskip("lightning")

@@ -14,7 +14,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-os.environ.setdefault("USE_TF", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 torch = pytest.importorskip("torch")

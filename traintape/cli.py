@@ -23,8 +23,28 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
-console = Console()
-err = Console(stderr=True)
+
+
+def make_console(stderr: bool = False) -> Console:
+    """The one place the CLI's rich Console is made.
+
+    On a terminal it is the terminal's width. Anywhere else (a pipe, ``| less``, a file,
+    CI logs) there is no width to fit, so it is :data:`PIPE_WIDTH` columns unless
+    ``$COLUMNS`` says otherwise: a wide table (``compare``) keeps every column instead of
+    being squeezed or cut to rich's default of 80. ``--json`` is the machine-readable
+    form of every analysis."""
+    stream = sys.stderr if stderr else sys.stdout
+    width = None
+    if not (hasattr(stream, "isatty") and stream.isatty()) and not os.environ.get("COLUMNS"):
+        width = PIPE_WIDTH
+    return Console(stderr=stderr, width=width)
+
+
+PIPE_WIDTH = 1000
+"""Columns of the CLI's output when it is not a terminal (:func:`make_console`)."""
+
+console = make_console()
+err = make_console(stderr=True)
 
 
 ProgressFn = Callable[[str, int, int], None]
@@ -354,13 +374,86 @@ def _human(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+_LOSS_TAIL = 1024
+"""Rows read from the end of a metric to find its last logged value in ``ls``."""
+
+
+def _ls_metric(r: Any) -> dict[str, Any] | None:
+    """The run's loss (``loss``, else a metric named ``.../loss``, else its first metric):
+    name, last logged value, its step — read from the last rows only, never the whole
+    column (``{"name", "value", "step"}``, or None when nothing was logged)."""
+    import numpy as np
+
+    from traintape.core import layout as L
+    from traintape.core.system import is_system
+
+    names = [n for n in r.manifest.metrics if not is_system(n)]
+    losses = [n for n in names if n == "loss" or n.rsplit("/", 1)[-1] == "loss"]
+    name = "loss" if "loss" in names else (losses or names or [None])[0]
+    if name is None or r.rows == 0:
+        return None
+    lo = max(0, r.rows - _LOSS_TAIL)
+    vals = np.asarray(r.array(L.metric_path(name))[lo : r.rows].read().result())
+    finite = np.flatnonzero(np.isfinite(vals))
+    if not len(finite):
+        return None
+    i = int(finite[-1])
+    return {"name": name, "value": float(vals[i]), "step": int(r.steps[lo + i])}
+
+
+def _ls_step_time(r: Any) -> str:
+    """When the last step's row was recorded (``sys/time``), else the manifest's last update
+    (a run recorded without system metrics), as ISO 8601 UTC."""
+    from datetime import UTC, datetime
+
+    import numpy as np
+
+    from traintape.core import layout as L
+
+    if r.rows and "sys/time" in r.manifest.metrics:
+        t = float(np.asarray(r.array(L.metric_path("sys/time"))[r.rows - 1].read().result()))
+        if np.isfinite(t):
+            return datetime.fromtimestamp(t, UTC).isoformat(timespec="seconds")
+    return r.manifest.updated_at.isoformat(timespec="seconds")
+
+
+def _ls_writer(url: str, status: str) -> tuple[str, dict[str, Any] | None]:
+    """``live`` / ``stale`` / ``closed`` (or ``failed``) from the manifest's status and the
+    writer claim's heartbeat (:mod:`traintape.core.claim`): an open run whose claim is
+    fresh is being written (``live``); an open run with a stale claim or none is not
+    (``stale``: its writer was killed or lost; the next Recorder resumes it)."""
+    if status != "open":
+        return status, None
+    import time
+
+    from traintape.core.claim import WriterClaim
+    from traintape.core.kvstore import KvStore
+
+    claim = WriterClaim(KvStore(url).kv, url)  # reads only: nothing is written
+    info, _ = claim._read()
+    if info is None:
+        return "stale", None
+    writer = {"host": info.host, "pid": info.pid, "since": info.started_at,
+              "heartbeat_age_s": round(time.time() - info.heartbeat, 1)}  # fmt: skip
+    return ("stale" if claim.is_stale(info) else "live"), writer
+
+
 def _ls_row(path: str, open_run: Callable[[str], Any]) -> dict[str, Any]:
-    """One row of ``ls``: the run's summary, or its path and error if it cannot be read."""
+    """One row of ``ls``: the run's summary, or its path and error if it cannot be read.
+
+    ``size_bytes`` is the bytes on disk of a local run, None for a remote one (object
+    stores list keys, not sizes: ``ls`` shows "–" rather than a wrong number)."""
+    from traintape.core.kvstore import local_path, normalize_url
+
     try:
         r = open_run(path)
         st = r.steps
+        status, writer = _ls_writer(r.url, r.manifest.status)
+        metric = _ls_metric(r)
+        step_time = _ls_step_time(r)
     except Exception as e:  # an invalid store is listed, not fatal
         return {"path": path, "error": str(e)}
+    local = local_path(normalize_url(path))
     return {
         "path": path,
         "run_id": r.manifest.run_id,
@@ -368,8 +461,11 @@ def _ls_row(path: str, open_run: Callable[[str], Any]) -> dict[str, Any]:
         "first_step": int(st[0]) if len(st) else None,
         "last_step": int(st[-1]) if len(st) else None,
         "framework": r.manifest.producer.framework or "numpy",
-        "size_bytes": _dir_size(path),
-        "status": r.manifest.status,
+        "size_bytes": _dir_size(local) if local is not None else None,
+        "status": status,
+        "writer": writer,
+        "metric": metric,
+        "last_step_time": step_time,
         "updated_at": r.manifest.updated_at.isoformat(),
     }
 
@@ -388,7 +484,8 @@ def ls_runs(
     directory: str = typer.Argument(".", help="directory to search (3 levels deep)"),
     as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
 ) -> None:
-    """List the runs under DIR: steps, framework, size, status."""
+    """List the runs under DIR: steps, framework, size, status (live / stale / closed), the
+    last loss (or first metric) and when the last step was recorded."""
     from traintape.core import open_run
     from traintape.core.catalog import find_stores
     from traintape.core.kvstore import is_local
@@ -415,24 +512,28 @@ def ls_runs(
     if not rows:
         console.print(f"no traintape runs under {directory}")
         return
-    t = Table(Column("run", overflow="fold"), "steps", "framework", "size", "status", "updated")
+    t = Table(
+        Column("run", overflow="fold"), "steps", "framework", "size", "status",
+        "last metric", "last step at (UTC)",
+    )  # fmt: skip
     for x in rows:
         if "error" in x:
             t.add_row(
-                _safe(_rel(x["path"], directory)),
-                "",
-                "",
-                "",
-                "[red]invalid[/red]",
-                _safe(x["error"][:60]),
-            )
+                _safe(_rel(x["path"], directory)), "", "", "", "[red]invalid[/red]",
+                _safe(x["error"][:60]), "",
+            )  # fmt: skip
             continue
         span = f"{x['rows']} ({x['first_step']}..{x['last_step']})" if x["rows"] else "0"
-        color = {"closed": "green", "open": "cyan", "failed": "red"}.get(x["status"], "white")
+        color = {"closed": "green", "live": "cyan", "stale": "yellow", "failed": "red"}.get(
+            x["status"], "white"
+        )
+        m = x["metric"]
+        metric = "–" if m is None else f"{_safe(m['name'])} {m['value']:.4g} @ {m['step']}"
+        size = "–" if x["size_bytes"] is None else _human(x["size_bytes"])
         t.add_row(
-            _safe(_rel(x["path"], directory)), span, _safe(x["framework"]),
-            _human(x["size_bytes"]), f"[{color}]{_safe(x['status'])}[/{color}]",
-            x["updated_at"][:19],
+            _safe(_rel(x["path"], directory)), span, _safe(x["framework"]), size,
+            f"[{color}]{_safe(x['status'])}[/{color}]", metric,
+            x["last_step_time"][:19].replace("T", " "),
         )  # fmt: skip
     console.print(t)
 
@@ -462,10 +563,10 @@ def _health_table(rep: Any) -> None:
     cols: list[tuple[str, Callable[[Any], str]]] = [
         ("score", lambda lh: f"{lh.score:.0f}"),
         ("status", lambda lh: _status(lh.status)),
-        ("grad norm", lambda lh: f(lh.grad_norm)),
-        ("grad/param", lambda lh: f(lh.rel_grad)),
-        ("update/param", lambda lh: f(lh.update_ratio)),
-        ("zero act", lambda lh: f(lh.act_zero_frac)),
+        ("median grad norm", lambda lh: f(lh.grad_norm)),
+        ("median grad/param", lambda lh: f(lh.rel_grad)),
+        ("median update/param", lambda lh: f(lh.update_ratio)),
+        ("median zero act", lambda lh: f(lh.act_zero_frac)),
     ]
     cols = [(h, v) for h, v in cols if any(v(lh) != "–" for lh in rep.layers)]
     t = Table(
@@ -1035,15 +1136,16 @@ def monitor(
         t = Table(title=f"{_safe(r.url)} · {_safe(m.status)} · {r.rows} rows · last step "
                         f"{int(st[-1]) if len(st) else '–'} · {len(m.events)} events")  # fmt: skip
         t.add_column("layer / metric")
-        t.add_column("grad norm")
-        t.add_column("update/param")
+        t.add_column("grad norm: last step")
+        t.add_column("update/param: last step")
+        t.add_column("metric: last logged")
         if r.rows:
             last = slice(r.rows - 1, r.rows)
             met = r.metrics()
             for c in met.columns:
                 col = met[c].dropna()
                 t.add_row(
-                    f"[bold]{_safe(c)}[/bold]", f"{col.iloc[-1]:.6g}" if len(col) else "–", ""
+                    f"[bold]{_safe(c)}[/bold]", "", "", f"{col.iloc[-1]:.6g}" if len(col) else "–"
                 )
             # the last row's per-layer norms, combined as every analysis does (LayerGroups)
             norms: dict[Kind, dict[str, float]] = {}
@@ -1062,7 +1164,7 @@ def monitor(
                 us = "–"
                 if u is not None and p is not None and p > 0 and np.isfinite(u):
                     us = f"{u / p:.3g}"
-                t.add_row(_safe(layer), gs, us)
+                t.add_row(_safe(layer), gs, us, "")
         return t
 
     if once:

@@ -126,6 +126,16 @@ def _s3_defaults(spec: dict[str, Any]) -> dict[str, Any]:
     region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
     if region and "aws_region" not in spec:
         spec["aws_region"] = region
+    if (
+        "aws_credentials" not in spec
+        and os.environ.get("AWS_ACCESS_KEY_ID")
+        and os.environ.get("AWS_SECRET_ACCESS_KEY")
+    ):
+        # the credentials are in the environment: take them from there. TensorStore's
+        # default chain would find the same ones, but first builds every other provider
+        # (profile files, web identity), and the AWS SDK logs a missing ~/.aws/config —
+        # the normal case here — as an error line on stderr.
+        spec["aws_credentials"] = {"type": "environment"}
     return spec
 
 
