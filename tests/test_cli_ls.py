@@ -150,3 +150,34 @@ def test_ls_on_s3_shows_no_wrong_size_and_no_aws_config_noise(tmp_path):
         bad = subprocess.run([*CLI, "ls", "s3://no-such-bucket-here/runs"], capture_output=True,
                              text=True, env=env, timeout=300)  # fmt: skip
         assert bad.returncode == 2 and "no-such-bucket-here" in bad.stderr
+
+
+def test_health_and_monitor_columns_say_which_statistic_they_show(tmp_path):
+    """``health`` shows medians over steps, ``monitor`` the last step's norms and each
+    metric's last logged value, each in a column that says so (metric values are not
+    under a "grad norm" heading)."""
+    from typer.testing import CliRunner
+
+    from traintape.cli import app
+
+    run = str(tmp_path / "run")
+    rng = np.random.default_rng(0)
+    with traintape.Recorder(run) as rec:
+        for t in range(6):
+            w = rng.normal(size=(4, 3)).astype(np.float32)
+            rec.record(t, "param", {"net/0/kernel": w})
+            rec.record(t, "grad", {"net/0/kernel": np.full((4, 3), 0.5, np.float32)})
+            rec.record(t, "update", {"net/0/kernel": np.full((4, 3), 0.01, np.float32)})
+            rec.log(t, loss=3.0 - t)
+    health = CliRunner().invoke(app, ["health", run])
+    assert health.exit_code in (0, 1), health.output
+    head = next(line for line in health.output.splitlines() if "┃ layer" in line)
+    assert "median grad norm" in head and "median update/param" in head
+    mon = CliRunner().invoke(app, ["monitor", run, "--once"])
+    assert mon.exit_code == 0, mon.output
+    head = next(line for line in mon.output.splitlines() if "layer / metric" in line)
+    assert "grad norm: last step" in head and "metric: last logged" in head
+    cells = {ln.split("│")[1].strip(): [c.strip() for c in ln.split("│")[2:-1]]
+             for ln in mon.output.splitlines() if ln.startswith("│")}  # fmt: skip
+    assert cells["loss"] == ["", "", "-2"]  # under "metric: last logged" only
+    assert cells["net/0"][0] == f"{np.linalg.norm(np.full((4, 3), 0.5)):.3g}"  # last step
