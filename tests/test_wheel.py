@@ -56,9 +56,12 @@ def test_build_makes_an_sdist_with_the_sources_and_a_platform_wheel_with_the_ker
     assert "traintape/schema/manifest.schema.json" in files
 
 
-def test_the_wheel_in_a_fresh_venv_uses_its_kernel_without_a_compiler(dist, tmp_path):
+@pytest.fixture(scope="module")
+def wheel_venv(dist, tmp_path_factory) -> tuple[Path, Path]:
+    """A fresh venv with the wheel installed (no compiler on PATH while installing):
+    its python and its site-packages."""
     (wheel,) = dist.glob("traintape-*.whl")
-    venv = tmp_path / "venv"
+    venv = tmp_path_factory.mktemp("venv") / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
                    timeout=120)  # fmt: skip
     py = venv / "bin" / "python"
@@ -76,6 +79,11 @@ def test_the_wheel_in_a_fresh_venv_uses_its_kernel_without_a_compiler(dist, tmp_
                                check=True, env={}).stdout.strip())  # fmt: skip
     # the dependencies from this environment (after the venv's own site-packages)
     (site / "_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return py, site
+
+
+def test_the_wheel_in_a_fresh_venv_uses_its_kernel_without_a_compiler(wheel_venv, tmp_path):
+    py, site = wheel_venv
     cache = tmp_path / "cache"
     cache.mkdir()
     probe = (
@@ -102,3 +110,30 @@ def test_the_wheel_in_a_fresh_venv_uses_its_kernel_without_a_compiler(dist, tmp_
     want = float(sum(float(i) ** 2 for i in range(70000)) ** 0.5)
     assert got["l2"] == pytest.approx(want, rel=1e-6)
     assert not list(cache.rglob("*.so"))  # nothing was compiled at run time
+
+
+def test_the_wheel_builds_its_jax_ffi_handler_at_first_use(wheel_venv, tmp_path):
+    """A wheel made by ``python -m build`` (isolated: no jaxlib) carries no FFI handler;
+    with a compiler, the first recorded JAX step compiles it against the installed
+    jaxlib into the cache, and the run's statistics come from it (docs/install.md)."""
+    jax = pytest.importorskip("jax")
+    if not (Path(jax.ffi.include_dir()) / "xla" / "ffi" / "api" / "c_api.h").exists():
+        pytest.skip("this jaxlib ships no XLA FFI header")
+    from test_native_prebuilt import JAX_PROBE
+
+    py, site = wheel_venv
+    assert not list((site / "traintape" / "adapters" / "jax").glob("_ffi_prebuilt*.so"))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(cache),
+           "TRAINTAPE_CACHE_DIR": str(cache), "JAX_PLATFORMS": "cpu"}  # fmt: skip
+    out = subprocess.run([str(py), "-c", JAX_PROBE, str(tmp_path / "run")], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.splitlines()[-1])
+    assert got["module"].startswith(str(site)), got
+    if got["backend"] != "jax-ffi-c" and "compiler" in got["where"]:
+        pytest.skip(f"no working C compiler here: {got['where']}")
+    assert got["backend"] == "jax-ffi-c", got
+    assert got["where"].startswith("compiled at run time"), got
+    assert list(cache.rglob("*.so"))  # built once, into the cache
