@@ -100,7 +100,11 @@ class OptionalBuildExt(build_ext):
 
     def build_extension(self, ext: Extension) -> None:
         ffi = ext.name.endswith("_ffi_prebuilt")
-        temp = self.build_temp
+        temp, force = self.build_temp, self.force
+        # always rebuild the handler: which jaxlib header it is built against is not in
+        # the file times setuptools compares (a build/ left by a build against another
+        # jaxlib, whose header is older than that build, would otherwise be reused)
+        self.force = force or ffi
         # both libraries compile _fused_stats.c, with different flags: separate objects
         self.build_temp = os.path.join(temp, ext.name)
         try:
@@ -113,7 +117,7 @@ class OptionalBuildExt(build_ext):
                 except Exception as e:  # compiler missing or failing: run-time build instead
                     err = e
         finally:
-            self.build_temp = temp
+            self.build_temp, self.force = temp, force
         what = "JAX FFI stat kernel" if ffi else "C stat kernel"
         then = "XLA reductions" if ffi else "numpy"
         print(f"traintape: the {what} was not prebuilt ({err}); it will be compiled on "
