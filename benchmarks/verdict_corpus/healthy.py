@@ -196,6 +196,276 @@ def record_bert_from_init(workdir: Path) -> Path:
     return out
 
 
+def _shift_sequences(n: int = 1024, length: int = 12, vocab: int = 32, shift: int = 1,
+                     seed: int = 0):  # fmt: skip
+    """``[n, length]`` token ids counting up by ``shift`` modulo ``vocab`` from a random
+    start: every next token is determined by the previous one (an LM can reach ~0 loss)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, vocab, (n, 1), generator=g)
+    return (start + shift * torch.arange(length)) % vocab
+
+
+def tiny_gpt2(seed: int = 0):
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=32,
+                                  n_positions=16)  # fmt: skip
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def record_gpt2_trainer(workdir: Path) -> Path:
+    """HF ``GPT2LMHeadModel`` from a tiny config trained by ``transformers.Trainer``
+    (AdamW 3e-3, linear decay, ``max_grad_norm`` 1.0, batch 16, 150 steps) with
+    ``traintape.transformers.Callback``; the task: count up modulo the vocabulary."""
+    import tempfile
+
+    import torch
+    import transformers
+
+    import traintape
+    import traintape.transformers as ttf
+
+    from . import torch_training as T
+
+    out = workdir / "gpt2_trainer"
+    ids = _shift_sequences()
+    data = [{"input_ids": x, "labels": x} for x in ids]
+    model = tiny_gpt2()
+    torch.set_num_threads(1)
+    args = transformers.TrainingArguments(
+        output_dir=tempfile.mkdtemp(prefix="hc-trainer-"), per_device_train_batch_size=16,
+        max_steps=150, learning_rate=3e-3, logging_steps=1, max_grad_norm=1.0,
+        use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    with traintape.Recorder(T.fresh(out), T.policy(), user={"attention_heads": 2}) as rec:
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
+                                       callbacks=[ttf.Callback(rec)])  # fmt: skip
+        trainer.remove_callback(transformers.trainer_callback.PrinterCallback)  # quiet
+        trainer.train()
+    return out
+
+
+def record_bert_finetune(workdir: Path) -> Path:
+    """Fine-tuning a pretrained model: the tiny BERT is first trained (unrecorded) on
+    "token 5 occurs" (200 steps), saved with ``save_pretrained``, reloaded with
+    ``from_pretrained`` and fine-tuned (recorded) on "token 9 occurs": AdamW 1e-3, clip
+    1.0, 200 steps."""
+    import torch
+    import transformers
+
+    from . import torch_training as T
+
+    out = workdir / "bert_finetune"
+    x, y = _token_task()
+    base = tiny_bert()
+    opt = torch.optim.AdamW(base.parameters(), lr=1e-3, weight_decay=0.01)
+    batch = T.shuffled(x, y, 32)
+    torch.set_num_threads(1)
+    for t in range(200):  # pretraining, not recorded
+        xb, yb = batch(t)
+        opt.zero_grad()
+        _logits_ce(base, xb, yb).backward()
+        torch.nn.utils.clip_grad_norm_(base.parameters(), 1.0)
+        opt.step()
+    saved = workdir / "_bert_pretrained"
+    base.save_pretrained(saved)
+    model = transformers.BertForSequenceClassification.from_pretrained(saved)
+    x2, y2 = _token_task(token=9, seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    T.train(T.fresh(out), model, opt, T.shuffled(x2, y2, 32), _logits_ce, 200, clip=1.0,
+            user={"attention_heads": 2})  # fmt: skip
+    return out
+
+
+def _lm_loss(model, x, _y):
+    return model(input_ids=x, labels=x).loss
+
+
+def record_gpt2_lora(workdir: Path) -> Path:
+    """LoRA (PEFT, r 8 on ``c_attn`` and ``c_fc``) on a tiny GPT-2 first trained
+    (unrecorded) to count up by 1, fine-tuned (recorded, ``traintape.torch.watch``) to
+    count up by 3: AdamW 3e-3, 150 steps; only the adapters train."""
+    import peft
+    import torch
+
+    from . import torch_training as T
+
+    out = workdir / "gpt2_lora"
+    base = tiny_gpt2()
+    ids = _shift_sequences()
+    batch = T.shuffled(ids, ids[:, 0], 16)
+    opt = torch.optim.AdamW(base.parameters(), lr=3e-3)
+    torch.set_num_threads(1)
+    for t in range(100):  # pretraining, not recorded
+        xb, _ = batch(t)
+        opt.zero_grad()
+        _lm_loss(base, xb, None).backward()
+        opt.step()
+    cfg = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["c_attn", "c_fc"],
+                          fan_in_fan_out=True, lora_dropout=0.0)  # fmt: skip
+    model = peft.get_peft_model(base, cfg)
+    ids3 = _shift_sequences(shift=3, seed=1)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    T.train(T.fresh(out), model, opt, T.shuffled(ids3, ids3[:, 0], 16), _lm_loss, 150,
+            user={"attention_heads": 2})  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------- JAX / Flax
+
+
+def _np_teacher(n_in: int = 16, n_cls: int = 4, pool: int = 2048, seed: int = 0):
+    """The torch teacher task as numpy arrays (float32 inputs, int32 labels)."""
+    from . import torch_training as T
+
+    x, y = T.teacher_task(n_in, n_cls, pool=pool, seed=seed)
+    return x.numpy(), y.numpy().astype("int32")
+
+
+def _batches(n: int, batch: int, steps: int, seed: int = 1):
+    """Index arrays of epoch-wise shuffled batches over a pool of ``n``."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    per = n // batch
+    idx = np.concatenate([rng.permutation(n)[: per * batch] for _ in range(steps // per + 1)])
+    return idx[: steps * batch].reshape(steps, batch)
+
+
+def record_nnx_mlp(workdir: Path) -> Path:
+    """A Flax NNX MLP (``nnx.Linear`` ×3, GELU) on the teacher task, optax AdamW 3e-3
+    through ``nnx.Optimizer`` with ``traintape.jax.watch``, grads and activations from
+    ``traintape.jax.nnx_value_and_grad``; 300 steps."""
+    import jax
+    import optax
+    from flax import nnx
+
+    import traintape
+    import traintape.jax as tj
+
+    from . import torch_training as T
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.layers = nnx.List([nnx.Linear(16, 64, rngs=rngs), nnx.Linear(64, 64, rngs=rngs),
+                                    nnx.Linear(64, 4, rngs=rngs)])  # fmt: skip
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            for lin in self.layers[:-1]:
+                x = nnx.gelu(lin(x))
+            return self.layers[-1](x)
+
+    out = workdir / "nnx_mlp"
+    x, y = _np_teacher()
+    model = MLP(nnx.Rngs(0))
+    with traintape.Recorder(T.fresh(out), T.policy()) as rec:
+        vg = tj.nnx_value_and_grad(
+            lambda m, xb, yb: optax.softmax_cross_entropy_with_integer_labels(m(xb), yb).mean(),
+            recorder=rec,
+        )
+        opt = nnx.Optimizer(model, tj.watch(optax.adamw(3e-3), rec), wrt=nnx.Param)
+
+        @nnx.jit
+        def step(m, o, xb, yb):
+            loss, g = vg(m, xb, yb)
+            o.update(m, g)
+            return loss
+
+        for t, idx in enumerate(_batches(len(y), 64, 300)):
+            rec.log(t, loss=float(step(model, opt, x[idx], y[idx])))
+    return out
+
+
+def record_linen_cnn(workdir: Path) -> Path:
+    """A Flax Linen CNN (Conv-ReLU ×2, mean pool, Dense) on the template images, optax
+    SGD momentum 0.9 lr 0.05 under ``traintape.jax.value_and_grad`` + ``watch``; 200 steps."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import traintape
+    import traintape.jax as tj
+
+    from . import torch_training as T
+
+    class CNN(nn.Module):
+        @nn.compact
+        def __call__(self, x: jax.Array) -> jax.Array:
+            x = nn.relu(nn.Conv(8, (3, 3), name="conv1")(x))
+            x = nn.max_pool(x, (2, 2), (2, 2))
+            x = nn.relu(nn.Conv(16, (3, 3), name="conv2")(x))
+            return nn.Dense(4, name="head")(jnp.mean(x, axis=(1, 2)))
+
+    out = workdir / "linen_cnn"
+    xt, yt = _images()
+    x, y = xt.permute(0, 2, 3, 1).numpy(), yt.numpy().astype("int32")
+    model = CNN()
+    params = model.init(jax.random.key(0), x[:1])
+    with traintape.Recorder(T.fresh(out), T.policy()) as rec:
+
+        def loss_fn(p, xb, yb):
+            logits = model.apply(p, xb)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean()
+
+        vg = tj.value_and_grad(loss_fn, recorder=rec)
+        tx = tj.watch(optax.sgd(0.05, momentum=0.9), rec)
+        state = tx.init(params)
+
+        @jax.jit
+        def step(p, s, xb, yb):
+            loss, g = vg(p, xb, yb)
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s, loss
+
+        for t, idx in enumerate(_batches(len(y), 64, 200)):
+            params, state, loss = step(params, state, x[idx], y[idx])
+            rec.log(t, loss=float(loss))
+    return out
+
+
+def record_demo(workdir: Path) -> Path:
+    """``traintape demo``'s run (Flax Linen MLP on spirals, Adam 3e-3, 300 steps)."""
+    from traintape.demo import run_demo
+
+    out = workdir / "demo"
+    run_demo(str(out), progress=False)
+    return out
+
+
+# ---------------------------------------------------------------- Keras
+
+
+def record_keras_mlp(workdir: Path) -> Path:
+    """A Keras 3 ``Sequential`` MLP (Dense-ReLU ×2, Dense) on the teacher task,
+    ``model.fit`` with Adam 3e-3, batch 64, 8 epochs (256 steps), with
+    ``traintape.keras.Callback``."""
+    import keras
+
+    import traintape
+    import traintape.keras as tk
+
+    from . import torch_training as T
+
+    out = workdir / "keras_mlp"
+    x, y = _np_teacher()
+    keras.utils.set_random_seed(0)
+    L = keras.layers
+    model = keras.Sequential([keras.Input((16,)), L.Dense(64, activation="relu", name="fc1"),
+                              L.Dense(64, activation="relu", name="fc2"),
+                              L.Dense(4, name="head")])  # fmt: skip
+    model.compile(optimizer=keras.optimizers.Adam(3e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))  # fmt: skip
+    with traintape.Recorder(T.fresh(out), T.policy()) as rec:
+        model.fit(x, y, batch_size=64, epochs=8, verbose=0, shuffle=True,
+                  callbacks=[tk.Callback(rec)])  # fmt: skip
+    return out
+
+
 CASES: list[HealthCase] = [
     HealthCase("mlp_adam", "healthy", "torch", record_mlp_adam,
                "ReLU MLP, Adam, teacher task", max_final_loss=0.3, quick=True),
@@ -208,4 +478,18 @@ CASES: list[HealthCase] = [
     HealthCase("bert_from_init", "healthy", "torch+transformers", record_bert_from_init,
                "tiny BERT from init, AdamW + clip_grad_norm_(1.0)", max_final_loss=0.3,
                quick=True),
+    HealthCase("gpt2_trainer", "healthy", "torch+transformers", record_gpt2_trainer,
+               "tiny GPT-2 from config, HF Trainer (AdamW, clip 1.0)", max_final_loss=0.3),
+    HealthCase("bert_finetune", "healthy", "torch+transformers", record_bert_finetune,
+               "tiny BERT pretrained, saved, reloaded, fine-tuned", max_final_loss=0.3),
+    HealthCase("gpt2_lora", "healthy", "torch+peft", record_gpt2_lora,
+               "LoRA fine-tune of a pretrained tiny GPT-2", max_final_loss=0.5),
+    HealthCase("nnx_mlp", "healthy", "jax+flax.nnx", record_nnx_mlp,
+               "Flax NNX MLP, AdamW", max_final_loss=0.3),
+    HealthCase("linen_cnn", "healthy", "jax+flax.linen", record_linen_cnn,
+               "Flax Linen CNN, SGD momentum", max_final_loss=0.3),
+    HealthCase("demo", "healthy", "jax+flax.linen", record_demo,
+               "traintape demo (spirals MLP, Adam)", max_final_loss=0.1),
+    HealthCase("keras_mlp", "healthy", "keras+tf", record_keras_mlp,
+               "Keras MLP, model.fit, Adam", max_final_loss=0.3),
 ]  # fmt: skip
