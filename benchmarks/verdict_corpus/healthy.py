@@ -196,6 +196,54 @@ def record_bert_from_init(workdir: Path) -> Path:
     return out
 
 
+HEADS = 4
+
+
+def mha_classifier(seed: int = 0, vocab: int = 32, d: int = 32):
+    """A one-block post-norm transformer classifier written by hand: token + position
+    embeddings, ``nn.MultiheadAttention`` (``HEADS`` heads, batch first) with residual and
+    LayerNorm, a GELU MLP with residual, a linear head on position 0. Layers ``emb``,
+    ``pos``, ``attn``, ``norm``, ``mlp/0``, ``mlp/2``, ``head``."""
+    import torch
+    from torch import nn
+
+    class MHAClassifier(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(vocab, d)
+            self.pos = nn.Embedding(16, d)
+            self.attn = nn.MultiheadAttention(d, HEADS, batch_first=True)
+            self.norm = nn.LayerNorm(d)
+            self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+            self.head = nn.Linear(d, 2)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            h = self.emb(ids) + self.pos(torch.arange(ids.shape[1]))
+            a, _ = self.attn(h, h, h, need_weights=False)
+            h = self.norm(h + a)
+            h = h + self.mlp(h)
+            return self.head(h[:, 0])
+
+    torch.manual_seed(seed)
+    return MHAClassifier()
+
+
+def record_mha_classifier(workdir: Path) -> Path:
+    """:func:`mha_classifier` on "token 5 occurs", AdamW 1e-3 + ``clip_grad_norm_(1.0)``,
+    200 steps (attention heads declared: the head check runs)."""
+    import torch
+
+    from . import torch_training as T
+
+    out = workdir / "mha_classifier"
+    x, y = _token_task()
+    model = mha_classifier()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    T.train(T.fresh(out), model, opt, T.shuffled(x, y, 32), T.ce, 200, clip=1.0,
+            user={"attention_heads": HEADS})  # fmt: skip
+    return out
+
+
 def _shift_sequences(n: int = 1024, length: int = 12, vocab: int = 32, shift: int = 1,
                      seed: int = 0):  # fmt: skip
     """``[n, length]`` token ids counting up by ``shift`` modulo ``vocab`` from a random
@@ -478,6 +526,8 @@ CASES: list[HealthCase] = [
     HealthCase("bert_from_init", "healthy", "torch+transformers", record_bert_from_init,
                "tiny BERT from init, AdamW + clip_grad_norm_(1.0)", max_final_loss=0.3,
                quick=True),
+    HealthCase("mha_classifier", "healthy", "torch", record_mha_classifier,
+               "hand-written attention classifier (4 heads), AdamW + clip", max_final_loss=0.3),
     HealthCase("gpt2_trainer", "healthy", "torch+transformers", record_gpt2_trainer,
                "tiny GPT-2 from config, HF Trainer (AdamW, clip 1.0)", max_final_loss=0.3),
     HealthCase("bert_finetune", "healthy", "torch+transformers", record_bert_finetune,

@@ -81,6 +81,197 @@ def record_zero_grad_forgotten(workdir: Path) -> Path:
     return out
 
 
+def record_frozen_left_out_of_optimizer(workdir: Path) -> Path:
+    """The ``mlp_adam`` MLP whose optimizer was built from the first and last layers only
+    (a parameter group forgotten): layer ``2`` gets gradients but never moves."""
+    import torch
+
+    from . import torch_training as T
+
+    out = workdir / "frozen_left_out_of_optimizer"
+    x, y = T.teacher_task(16, 4)
+    model = T.mlp([16, 64, 64, 4])
+    opt = torch.optim.Adam([*model[0].parameters(), *model[4].parameters()], lr=3e-3)
+    T.train(T.fresh(out), model, opt, T.shuffled(x, y, 64), T.ce, 200)
+    return out
+
+
+def record_frozen_requires_grad(workdir: Path) -> Path:
+    """The ``mlp_adam`` MLP trained from scratch with its hidden layer ``2`` frozen by
+    mistake (``requires_grad_(False)`` meant for a pretrained part, applied to a layer of
+    a fresh model): layer ``2`` stays at its random init."""
+    import torch
+
+    from . import torch_training as T
+
+    out = workdir / "frozen_requires_grad"
+    x, y = T.teacher_task(16, 4)
+    model = T.mlp([16, 64, 64, 4])
+    model[2].requires_grad_(False)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    T.train(T.fresh(out), model, opt, T.shuffled(x, y, 64), T.ce, 200)
+    return out
+
+
+def record_lr_too_small(workdir: Path) -> Path:
+    """The ``mlp_adam`` run at Adam lr 3e-7 (1e4x too small): the loss does not move."""
+    import torch
+
+    from . import torch_training as T
+
+    out = workdir / "lr_too_small"
+    x, y = T.teacher_task(16, 4)
+    model = T.mlp([16, 64, 64, 4])
+    opt = torch.optim.Adam(model.parameters(), lr=3e-7)
+    T.train(T.fresh(out), model, opt, T.shuffled(x, y, 64), T.ce, 200)
+    return out
+
+
+def record_batchnorm_eval(workdir: Path) -> Path:
+    """The healthy ``cnn_bn_sgd`` CNN trained while in ``eval()`` mode (``model.eval()``
+    for a validation pass, ``model.train()`` forgotten): BatchNorm normalises with its
+    initial running statistics (0, 1), which never update."""
+    import torch
+
+    from . import torch_training as T
+    from .healthy import _images, cnn
+
+    out = workdir / "batchnorm_eval"
+    x, y = _images()
+    model = cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    T.train(T.fresh(out), model, opt, T.shuffled(x, y, 64), T.ce, 200, train_mode=False)
+    return out
+
+
+def record_lstm_forget_closed(workdir: Path) -> Path:
+    """The healthy ``lstm`` classifier with its forget-gate bias initialised to -10
+    (``bias_ih + bias_hh``; a sign error in a "forget bias" init): the cell state is
+    wiped at every step, so the sum over 10 steps cannot be integrated."""
+    import torch
+
+    from . import torch_training as T
+    from .healthy import _LSTMClassifier, _sign_sequences
+
+    out = workdir / "lstm_forget_closed"
+    x, y = _sign_sequences()
+    model = _LSTMClassifier.build(forget_bias=-10.0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    T.train(T.fresh(out), model, opt, T.shuffled(x, y, 64), T.ce, 250)
+    return out
+
+
+def _head0_qk_scaled(workdir: Path, name: str, scale: float) -> Path:
+    """The healthy ``mha_classifier`` with head 0's query and key rows of the fused
+    ``in_proj_weight`` multiplied by ``scale`` at init (a bad custom init)."""
+    import torch
+
+    from . import torch_training as T
+    from .healthy import HEADS, _token_task, mha_classifier
+
+    out = workdir / name
+    x, y = _token_task()
+    model = mha_classifier()
+    d = model.attn.embed_dim
+    hd = d // HEADS
+    with torch.no_grad():
+        w = model.attn.in_proj_weight
+        w[0:hd] *= scale  # q rows of head 0
+        w[d : d + hd] *= scale  # k rows of head 0
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    T.train(T.fresh(out), model, opt, T.shuffled(x, y, 32), T.ce, 200, clip=1.0,
+            user={"attention_heads": HEADS})  # fmt: skip
+    return out
+
+
+def record_attention_head_collapsed(workdir: Path) -> Path:
+    """Head 0's q and k scaled by 30 (logits ×900): its softmax is one-hot, so its q and k
+    get almost no gradient (and never recover)."""
+    return _head0_qk_scaled(workdir, "attention_head_collapsed", 30.0)
+
+
+def record_attention_head_zero_qk(workdir: Path) -> Path:
+    """Head 0's q and k initialised to zero: its attention is uniform, and the gradient
+    of its q (∝ k) and k (∝ q) is exactly zero forever — a head that never learns."""
+    return _head0_qk_scaled(workdir, "attention_head_zero_qk", 0.0)
+
+
+def record_loss_nan(workdir: Path) -> Path:
+    """The healthy ``mlp_regression_sgd`` run where batch 60 holds a corrupted example
+    (a NaN feature): the loss is NaN at step 60, and so is everything after."""
+    import torch
+    from torch import nn
+
+    from . import torch_training as T
+
+    out = workdir / "loss_nan"
+    x, y = T.teacher_regression(16, 4)
+    model = T.mlp([16, 64, 64, 4], act=nn.Tanh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    clean = T.shuffled(x, y, 64)
+
+    def batch(t: int) -> T.Batch:
+        xb, yb = clean(t)
+        if t == 60:
+            xb = xb.clone()
+            xb[3, 5] = float("nan")
+        return xb, yb
+
+    T.train(T.fresh(out), model, opt, batch, T.mse, 100)
+    return out
+
+
+def record_unshuffled(workdir: Path) -> Path:
+    """The ``mlp_adam`` run on a pool stored class by class and read in order
+    (``shuffle=False``): each stretch of 8 batches holds one class, the loss cycles with
+    a period of one epoch (32 batches) and never settles."""
+    import torch
+
+    from . import torch_training as T
+
+    out = workdir / "unshuffled"
+    x, y = T.teacher_task(16, 4)
+    model = T.mlp([16, 64, 64, 4])
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    T.train(T.fresh(out), model, opt, T.in_order(x, y, 64), T.ce, 300)
+    return out
+
+
+# ---------------------------------------------------------------- Keras
+
+
+def record_saturated_tanh(workdir: Path) -> Path:
+    """A Keras MLP with ``Dense(64, activation="tanh")`` layers (the recorded layer output
+    is the tanh) on inputs left unnormalised (features of scale 30: "forgot to
+    standardise"): the first layer's tanh sits at ±1. Adam 1e-3, 4 epochs (128 steps).
+
+    (In torch and Flax the tanh is a separate function or module without parameters,
+    whose output the adapters do not record: there a saturated tanh is not visible as
+    an activation.)"""
+    import keras
+
+    import traintape
+    import traintape.keras as tk
+
+    from . import torch_training as T
+    from .healthy import _np_teacher
+
+    out = workdir / "saturated_tanh"
+    x, y = _np_teacher()
+    x = x * 30.0
+    keras.utils.set_random_seed(0)
+    L = keras.layers
+    model = keras.Sequential([keras.Input((16,)), L.Dense(64, activation="tanh", name="fc1"),
+                              L.Dense(64, activation="tanh", name="fc2"),
+                              L.Dense(4, name="head")])  # fmt: skip
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))  # fmt: skip
+    with traintape.Recorder(T.fresh(out), T.policy()) as rec:
+        model.fit(x, y, batch_size=64, epochs=4, verbose=0, shuffle=True,
+                  callbacks=[tk.Callback(rec)])  # fmt: skip
+    return out
+
+
 CASES: list[HealthCase] = [
     HealthCase("vanishing_deep_sigmoid", "pathology", "torch", record_vanishing_deep_sigmoid,
                "10-layer sigmoid MLP", expect=("vanishing",), layers=("0", "2", "4"),
@@ -91,4 +282,30 @@ CASES: list[HealthCase] = [
                "hidden bias init -10: ReLUs never fire", expect=("dead",), layers=("2",)),
     HealthCase("zero_grad_forgotten", "pathology", "torch", record_zero_grad_forgotten,
                "opt.zero_grad() forgotten", expect=("accumulating_grad",), quick=True),
+    HealthCase("frozen_left_out_of_optimizer", "pathology", "torch",
+               record_frozen_left_out_of_optimizer, "layer 2 missing from the optimizer",
+               expect=("not_updated",), layers=("2",), quick=True),
+    HealthCase("frozen_requires_grad", "pathology", "torch", record_frozen_requires_grad,
+               "layer 2 of a fresh model frozen by mistake", expect=("not_updated",),
+               layers=("2",)),
+    HealthCase("lr_too_small", "pathology", "torch", record_lr_too_small,
+               "Adam lr 3e-7", expect=("lr_too_small",)),
+    HealthCase("batchnorm_eval", "pathology", "torch", record_batchnorm_eval,
+               "CNN trained in eval() mode", expect=("norm_stats_frozen",), layers=("1", "5")),
+    HealthCase("lstm_forget_closed", "pathology", "torch", record_lstm_forget_closed,
+               "LSTM forget-gate bias -10", expect=("forget_gate_closed",), layers=("lstm",),
+               quick=True),
+    HealthCase("attention_head_collapsed", "pathology", "torch",
+               record_attention_head_collapsed, "head 0 q/k scaled 30x: one-hot softmax",
+               expect=("head_collapsed",), layers=("attn",)),
+    HealthCase("attention_head_zero_qk", "pathology", "torch", record_attention_head_zero_qk,
+               "head 0 q/k zero: uniform attention, no q/k gradient",
+               expect=("head_collapsed",), layers=("attn",)),
+    HealthCase("saturated_tanh", "pathology", "keras+tf", record_saturated_tanh,
+               "tanh MLP on unnormalised inputs (x30)", expect=("saturated",),
+               layers=("fc1",)),
+    HealthCase("loss_nan", "pathology", "torch", record_loss_nan,
+               "NaN feature in batch 60", expect=("nonfinite",), step=60, quick=True),
+    HealthCase("unshuffled", "pathology", "torch", record_unshuffled,
+               "data read class by class, never shuffled", expect=("periodic_loss",)),
 ]  # fmt: skip
