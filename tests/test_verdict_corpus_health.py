@@ -48,6 +48,7 @@ def test_section_structure(section: Section) -> None:
         "critical or warning on healthy runs",
         "pathologies detected with the right issue type",
         "pathologies detected with the right issue type on the right layer",
+        f"healthy runs with critical or warning in health --window {H.WINDOW}",
     ]
     assert all(isinstance(r, Rate) for r in section.rates)
     assert (section.rates[0].total, section.rates[1].total) == (1, 2)

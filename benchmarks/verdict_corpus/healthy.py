@@ -535,7 +535,7 @@ CASES: list[HealthCase] = [
     HealthCase("gpt2_lora", "healthy", "torch+peft", record_gpt2_lora,
                "LoRA fine-tune of a pretrained tiny GPT-2", max_final_loss=0.5),
     HealthCase("nnx_mlp", "healthy", "jax+flax.nnx", record_nnx_mlp,
-               "Flax NNX MLP, AdamW", max_final_loss=0.3),
+               "Flax NNX MLP, AdamW", max_final_loss=0.3, quick=True),
     HealthCase("linen_cnn", "healthy", "jax+flax.linen", record_linen_cnn,
                "Flax Linen CNN, SGD momentum", max_final_loss=0.3),
     HealthCase("demo", "healthy", "jax+flax.linen", record_demo,
