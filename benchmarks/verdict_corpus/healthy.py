@@ -514,6 +514,35 @@ def record_keras_mlp(workdir: Path) -> Path:
     return out
 
 
+def record_keras_cnn_bn(workdir: Path) -> Path:
+    """A Keras 3 CNN (Conv-BatchNorm-ReLU ×2, global average pool, Dense) on the template
+    images, ``model.fit`` with SGD momentum 0.9 lr 0.05, batch 64, 8 epochs (128 steps)."""
+    import keras
+
+    import traintape
+    import traintape.keras as tk
+
+    from . import torch_training as T
+
+    out = workdir / "keras_cnn_bn"
+    xt, yt = _images()
+    x, y = xt.permute(0, 2, 3, 1).numpy(), yt.numpy()
+    keras.utils.set_random_seed(0)
+    L = keras.layers
+    model = keras.Sequential([
+        keras.Input((12, 12, 1)), L.Conv2D(8, 3, padding="same", name="conv1"),
+        L.BatchNormalization(name="bn1"), L.ReLU(), L.MaxPooling2D(2),
+        L.Conv2D(16, 3, padding="same", name="conv2"), L.BatchNormalization(name="bn2"),
+        L.ReLU(), L.GlobalAveragePooling2D(), L.Dense(4, name="head"),
+    ])  # fmt: skip
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))  # fmt: skip
+    with traintape.Recorder(T.fresh(out), T.policy()) as rec:
+        model.fit(x, y, batch_size=64, epochs=8, verbose=0, shuffle=True,
+                  callbacks=[tk.Callback(rec)])  # fmt: skip
+    return out
+
+
 CASES: list[HealthCase] = [
     HealthCase("mlp_adam", "healthy", "torch", record_mlp_adam,
                "ReLU MLP, Adam, teacher task", max_final_loss=0.3, quick=True),
@@ -542,4 +571,6 @@ CASES: list[HealthCase] = [
                "traintape demo (spirals MLP, Adam)", max_final_loss=0.1),
     HealthCase("keras_mlp", "healthy", "keras+tf", record_keras_mlp,
                "Keras MLP, model.fit, Adam", max_final_loss=0.3),
+    HealthCase("keras_cnn_bn", "healthy", "keras+tf", record_keras_cnn_bn,
+               "Keras CNN with BatchNorm, model.fit, SGD momentum", max_final_loss=0.3),
 ]  # fmt: skip

@@ -272,6 +272,82 @@ def record_saturated_tanh(workdir: Path) -> Path:
     return out
 
 
+def record_dead_relu_keras(workdir: Path) -> Path:
+    """A Keras MLP with ``Dense(64, activation="relu")`` layers (the recorded output is
+    the ReLU's) whose second layer's bias is initialised to -10: its units never fire.
+    Adam 3e-3, 4 epochs (128 steps)."""
+    import keras
+
+    import traintape
+    import traintape.keras as tk
+
+    from . import torch_training as T
+    from .healthy import _np_teacher
+
+    out = workdir / "dead_relu_keras"
+    x, y = _np_teacher()
+    keras.utils.set_random_seed(0)
+    L = keras.layers
+    dead = keras.initializers.Constant(-10.0)
+    model = keras.Sequential([keras.Input((16,)), L.Dense(64, activation="relu", name="fc1"),
+                              L.Dense(64, activation="relu", bias_initializer=dead, name="fc2"),
+                              L.Dense(4, name="head")])  # fmt: skip
+    model.compile(optimizer=keras.optimizers.Adam(3e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))  # fmt: skip
+    with traintape.Recorder(T.fresh(out), T.policy()) as rec:
+        model.fit(x, y, batch_size=64, epochs=4, verbose=0, shuffle=True,
+                  callbacks=[tk.Callback(rec)])  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------- Flax Linen
+
+
+def record_vanishing_linen_sigmoid(workdir: Path) -> Path:
+    """A Flax Linen MLP of 10 sigmoid ``Dense`` layers (``layers_0`` … ``layers_9``), optax
+    SGD lr 0.1, 120 steps, under ``traintape.jax.value_and_grad`` + ``watch``."""
+    import flax.linen as nn
+    import jax
+    import optax
+
+    import traintape
+    import traintape.jax as tj
+
+    from . import torch_training as T
+    from .healthy import _batches, _np_teacher
+
+    class Deep(nn.Module):
+        @nn.compact
+        def __call__(self, x: jax.Array) -> jax.Array:
+            for i in range(9):
+                x = nn.sigmoid(nn.Dense(32, name=f"layers_{i}")(x))
+            return nn.Dense(4, name="layers_9")(x)
+
+    out = workdir / "vanishing_linen_sigmoid"
+    x, y = _np_teacher()
+    model = Deep()
+    params = model.init(jax.random.key(0), x[:1])
+    with traintape.Recorder(T.fresh(out), T.policy()) as rec:
+
+        def loss_fn(p, xb, yb):
+            return optax.softmax_cross_entropy_with_integer_labels(model.apply(p, xb), yb).mean()
+
+        vg = tj.value_and_grad(loss_fn, recorder=rec)
+        tx = tj.watch(optax.sgd(0.1), rec)
+        state = tx.init(params)
+
+        @jax.jit
+        def step(p, s, xb, yb):
+            loss, g = vg(p, xb, yb)
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s, loss
+
+        for t, idx in enumerate(_batches(len(y), 64, 120)):
+            params, state, loss = step(params, state, x[idx], y[idx])
+            rec.log(t, loss=float(loss))
+    return out
+
+
 CASES: list[HealthCase] = [
     HealthCase("vanishing_deep_sigmoid", "pathology", "torch", record_vanishing_deep_sigmoid,
                "10-layer sigmoid MLP", expect=("vanishing",), layers=("0", "2", "4"),
@@ -308,4 +384,9 @@ CASES: list[HealthCase] = [
                "NaN feature in batch 60", expect=("nonfinite",), step=60, quick=True),
     HealthCase("unshuffled", "pathology", "torch", record_unshuffled,
                "data read class by class, never shuffled", expect=("periodic_loss",)),
+    HealthCase("dead_relu_keras", "pathology", "keras+tf", record_dead_relu_keras,
+               "Keras ReLU layer with bias init -10", expect=("dead",), layers=("fc2",)),
+    HealthCase("vanishing_linen_sigmoid", "pathology", "jax+flax.linen",
+               record_vanishing_linen_sigmoid, "10-layer sigmoid Linen MLP",
+               expect=("vanishing",), layers=("layers/0", "layers/1", "layers/2")),
 ]  # fmt: skip
