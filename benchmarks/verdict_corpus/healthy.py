@@ -16,6 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("USE_TF", "0")  # transformers: torch only (Keras 3 is installed)
 os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # Keras cases: no TF start-up chatter
 
 
 # ---------------------------------------------------------------- torch: small nets
