@@ -73,3 +73,44 @@ def test_stores_are_recorded_once_and_judged_again(tmp_path: Path) -> None:
     again, seconds2 = H.record(case, tmp_path)
     assert again == store and seconds2 == 0.0
     assert H.judge(case, store).ok
+
+
+@pytest.fixture(scope="module")
+def dead_relu_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    case = next(c for c in H.CASES if c.name == "dead_relu")
+    return H.record(case, tmp_path_factory.mktemp("dead"))[0]
+
+
+class _Issue:
+    def __init__(self, type: str, severity: str, layer: str | None) -> None:
+        self.type, self.severity, self.layer, self.message = type, severity, layer, ""
+
+
+class _Report:
+    """The two fields of a health / anomalies report that the judge reads."""
+
+    def __init__(self, issues: list[_Issue]) -> None:
+        self._issues, self.anomalies = issues, []
+
+    def issues(self) -> list[_Issue]:
+        return self._issues
+
+
+@pytest.mark.parametrize(
+    ("issues", "ok", "localised"),
+    [
+        ([_Issue("DEAD", "critical", "2")], True, True),
+        ([_Issue("DEAD", "warning", "0")], True, False),  # right type, wrong layer
+        ([_Issue("DEAD", "healthy", "2")], False, False),  # below warning: not a detection
+        ([_Issue("VANISHING", "critical", "2")], False, False),  # wrong type
+        ([], False, False),
+    ],
+)
+def test_judge_reads_type_severity_and_layer(
+    dead_relu_store: Path, issues: list[_Issue], ok: bool, localised: bool
+) -> None:
+    """The verdict rules on an injected report (a renamed rule only needs ISSUE_TYPES)."""
+    case = next(c for c in H.CASES if c.name == "dead_relu")
+    res = H.judge(case, dead_relu_store, health_fn=lambda run: _Report(issues),
+                  anomalies_fn=lambda run: _Report([]))  # fmt: skip
+    assert (res.ok, res.localised) == (ok, localised), res.got

@@ -270,9 +270,6 @@ def record_gpt2_trainer(workdir: Path) -> Path:
     """HF ``GPT2LMHeadModel`` from a tiny config trained by ``transformers.Trainer``
     (AdamW 3e-3, linear decay, ``max_grad_norm`` 1.0, batch 16, 150 steps) with
     ``traintape.transformers.Callback``; the task: count up modulo the vocabulary."""
-    import tempfile
-
-    import torch
     import transformers
 
     import traintape
@@ -284,13 +281,15 @@ def record_gpt2_trainer(workdir: Path) -> Path:
     ids = _shift_sequences()
     data = [{"input_ids": x, "labels": x} for x in ids]
     model = tiny_gpt2()
-    torch.set_num_threads(1)
     args = transformers.TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="hc-trainer-"), per_device_train_batch_size=16,
+        output_dir=str(workdir / "_gpt2_trainer_output"), per_device_train_batch_size=16,
         max_steps=150, learning_rate=3e-3, logging_steps=1, max_grad_norm=1.0,
         use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True, seed=0,
     )  # fmt: skip
-    with traintape.Recorder(T.fresh(out), T.policy(), user={"attention_heads": 2}) as rec:
+    with (
+        T.one_thread(),
+        traintape.Recorder(T.fresh(out), T.policy(), user={"attention_heads": 2}) as rec,
+    ):
         trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
                                        callbacks=[ttf.Callback(rec)])  # fmt: skip
         trainer.remove_callback(transformers.trainer_callback.PrinterCallback)  # quiet
@@ -313,13 +312,13 @@ def record_bert_finetune(workdir: Path) -> Path:
     base = tiny_bert()
     opt = torch.optim.AdamW(base.parameters(), lr=1e-3, weight_decay=0.01)
     batch = T.shuffled(x, y, 32)
-    torch.set_num_threads(1)
-    for t in range(200):  # pretraining, not recorded
-        xb, yb = batch(t)
-        opt.zero_grad()
-        _logits_ce(base, xb, yb).backward()
-        torch.nn.utils.clip_grad_norm_(base.parameters(), 1.0)
-        opt.step()
+    with T.one_thread():
+        for t in range(200):  # pretraining, not recorded
+            xb, yb = batch(t)
+            opt.zero_grad()
+            _logits_ce(base, xb, yb).backward()
+            torch.nn.utils.clip_grad_norm_(base.parameters(), 1.0)
+            opt.step()
     saved = workdir / "_bert_pretrained"
     base.save_pretrained(saved)
     model = transformers.BertForSequenceClassification.from_pretrained(saved)
@@ -348,12 +347,12 @@ def record_gpt2_lora(workdir: Path) -> Path:
     ids = _shift_sequences()
     batch = T.shuffled(ids, ids[:, 0], 16)
     opt = torch.optim.AdamW(base.parameters(), lr=3e-3)
-    torch.set_num_threads(1)
-    for t in range(100):  # pretraining, not recorded
-        xb, _ = batch(t)
-        opt.zero_grad()
-        _lm_loss(base, xb, None).backward()
-        opt.step()
+    with T.one_thread():
+        for t in range(100):  # pretraining, not recorded
+            xb, _ = batch(t)
+            opt.zero_grad()
+            _lm_loss(base, xb, None).backward()
+            opt.step()
     cfg = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["c_attn", "c_fc"],
                           fan_in_fan_out=True, lora_dropout=0.0)  # fmt: skip
     model = peft.get_peft_model(base, cfg)

@@ -12,6 +12,17 @@ from pathlib import Path
 
 from .health_case import HealthCase
 
+
+class NotPlanted(RuntimeError):
+    """The planted pathology did not take (a corpus bug, not a verdict): raised by a case
+    whose training, measured with the framework's own numbers, does not show it."""
+
+
+def _confirm(ok: bool, what: str) -> None:
+    if not ok:
+        raise NotPlanted(what)
+
+
 # ---------------------------------------------------------------- torch MLPs
 
 
@@ -28,6 +39,8 @@ def record_vanishing_deep_sigmoid(workdir: Path) -> Path:
     model = T.mlp([16] + [32] * 9 + [4], act=nn.Sigmoid)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     T.train(T.fresh(out), model, opt, T.shuffled(x, y, 64), T.ce, 120)
+    first, last = model[0].weight.grad.norm(), model[-1].weight.grad.norm()
+    _confirm(bool(first < 1e-2 * last), f"first/last layer grad norm {first / last:.3g}")
     return out
 
 
@@ -43,7 +56,8 @@ def record_exploding_lr(workdir: Path) -> Path:
     x, y = T.teacher_regression(16, 4)
     model = T.mlp([16, 64, 64, 4], act=nn.Tanh)
     opt = torch.optim.SGD(model.parameters(), lr=5.0, momentum=0.9)
-    T.train(T.fresh(out), model, opt, T.shuffled(x, y, 64), T.mse, 80)
+    losses = T.train(T.fresh(out), model, opt, T.shuffled(x, y, 64), T.mse, 80)
+    _confirm(not max(losses) < 1e6, f"the loss stayed below 1e6 (max {max(losses):.3g})")
     return out
 
 
@@ -62,6 +76,9 @@ def record_dead_relu(workdir: Path) -> Path:
         model[2].bias.fill_(-10.0)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     T.train(T.fresh(out), model, opt, T.shuffled(x, y, 64), T.ce, 150)
+    with torch.no_grad():
+        alive = float((model[2](model[1](model[0](x))) > 0).float().mean())
+    _confirm(alive < 0.01, f"{alive:.1%} of layer 2's ReLUs fire")
     return out
 
 
@@ -77,7 +94,13 @@ def record_zero_grad_forgotten(workdir: Path) -> Path:
     x, y = T.teacher_task(16, 4)
     model = T.mlp([16, 64, 64, 4])
     opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
-    T.train(T.fresh(out), model, opt, T.shuffled(x, y, 64), T.ce, 150, zero_grad=False)
+    batch = T.shuffled(x, y, 64)
+    T.train(T.fresh(out), model, opt, batch, T.ce, 150, zero_grad=False)
+    held = model[0].weight.grad.norm()
+    model.zero_grad()
+    T.ce(model, *batch(150)).backward()
+    fresh_norm = model[0].weight.grad.norm()
+    _confirm(bool(held > 10 * fresh_norm), f"p.grad only {held / fresh_norm:.3g}x one step's")
     return out
 
 
@@ -92,7 +115,9 @@ def record_frozen_left_out_of_optimizer(workdir: Path) -> Path:
     x, y = T.teacher_task(16, 4)
     model = T.mlp([16, 64, 64, 4])
     opt = torch.optim.Adam([*model[0].parameters(), *model[4].parameters()], lr=3e-3)
+    init = model[2].weight.detach().clone()
     T.train(T.fresh(out), model, opt, T.shuffled(x, y, 64), T.ce, 200)
+    _confirm(torch.equal(init, model[2].weight), "layer 2 moved")
     return out
 
 
@@ -109,7 +134,9 @@ def record_frozen_requires_grad(workdir: Path) -> Path:
     model = T.mlp([16, 64, 64, 4])
     model[2].requires_grad_(False)
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    init = model[2].weight.detach().clone()
     T.train(T.fresh(out), model, opt, T.shuffled(x, y, 64), T.ce, 200)
+    _confirm(torch.equal(init, model[2].weight), "layer 2 moved")
     return out
 
 
@@ -123,7 +150,9 @@ def record_lr_too_small(workdir: Path) -> Path:
     x, y = T.teacher_task(16, 4)
     model = T.mlp([16, 64, 64, 4])
     opt = torch.optim.Adam(model.parameters(), lr=3e-7)
-    T.train(T.fresh(out), model, opt, T.shuffled(x, y, 64), T.ce, 200)
+    losses = T.train(T.fresh(out), model, opt, T.shuffled(x, y, 64), T.ce, 200)
+    a, b = sum(losses[:20]) / 20, sum(losses[-20:]) / 20
+    _confirm(abs(a - b) < 0.01 * a, f"the loss moved from {a:.4g} to {b:.4g}")
     return out
 
 
@@ -141,6 +170,9 @@ def record_batchnorm_eval(workdir: Path) -> Path:
     model = cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     T.train(T.fresh(out), model, opt, T.shuffled(x, y, 64), T.ce, 200, train_mode=False)
+    for bn in (model[1], model[5]):
+        _confirm(bool((bn.running_mean == 0).all() and (bn.running_var == 1).all()),
+                 "BatchNorm running statistics moved")  # fmt: skip
     return out
 
 
@@ -158,6 +190,8 @@ def record_lstm_forget_closed(workdir: Path) -> Path:
     model = _LSTMClassifier.build(forget_bias=-10.0)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     T.train(T.fresh(out), model, opt, T.shuffled(x, y, 64), T.ce, 250)
+    b_f = (model.lstm.bias_ih_l0 + model.lstm.bias_hh_l0).detach()[32:64].median()
+    _confirm(bool(b_f < -6), f"the forget bias reopened to {float(b_f):.3g}")
     return out
 
 
@@ -181,6 +215,12 @@ def _head0_qk_scaled(workdir: Path, name: str, scale: float) -> Path:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     T.train(T.fresh(out), model, opt, T.shuffled(x, y, 32), T.ce, 200, clip=1.0,
             user={"attention_heads": HEADS})  # fmt: skip
+    with torch.no_grad():  # head 0's attention on the pool: one-hot (scaled) or uniform (0)
+        h = model.emb(x[:256]) + model.pos(torch.arange(x.shape[1]))
+        _, w = model.attn(h, h, h, need_weights=True, average_attn_weights=False)
+        peak = float(w[:, 0].max(-1).values.mean())
+    want = peak > 0.95 if scale > 1 else abs(peak - 1 / x.shape[1]) < 1e-6
+    _confirm(want, f"head 0's mean peak attention weight is {peak:.3g}")
     return out
 
 
@@ -217,7 +257,8 @@ def record_loss_nan(workdir: Path) -> Path:
             xb[3, 5] = float("nan")
         return xb, yb
 
-    T.train(T.fresh(out), model, opt, batch, T.mse, 100)
+    losses = T.train(T.fresh(out), model, opt, batch, T.mse, 100)
+    _confirm(losses[59] == losses[59] and losses[60] != losses[60], "no NaN loss at step 60")
     return out
 
 
@@ -225,6 +266,7 @@ def record_unshuffled(workdir: Path) -> Path:
     """The ``mlp_adam`` run on a pool stored class by class and read in order
     (``shuffle=False``): each stretch of 8 batches holds one class, the loss cycles with
     a period of one epoch (32 batches) and never settles."""
+    import numpy as np
     import torch
 
     from . import torch_training as T
@@ -233,7 +275,10 @@ def record_unshuffled(workdir: Path) -> Path:
     x, y = T.teacher_task(16, 4)
     model = T.mlp([16, 64, 64, 4])
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    T.train(T.fresh(out), model, opt, T.in_order(x, y, 64), T.ce, 300)
+    losses = np.array(T.train(T.fresh(out), model, opt, T.in_order(x, y, 64), T.ce, 300))
+    tail = losses[100:]
+    ac = float(np.corrcoef(tail[:-32], tail[32:])[0, 1])
+    _confirm(ac > 0.8, f"loss autocorrelation at one epoch (32 steps) only {ac:.2f}")
     return out
 
 
@@ -269,6 +314,8 @@ def record_saturated_tanh(workdir: Path) -> Path:
     with traintape.Recorder(T.fresh(out), T.policy()) as rec:
         model.fit(x, y, batch_size=64, epochs=4, verbose=0, shuffle=True,
                   callbacks=[tk.Callback(rec)])  # fmt: skip
+    sat = float(keras.ops.mean(keras.ops.abs(model.get_layer("fc1")(x[:512]))))
+    _confirm(sat > 0.9, f"fc1's mean |tanh| is {sat:.3g}")
     return out
 
 
@@ -297,6 +344,9 @@ def record_dead_relu_keras(workdir: Path) -> Path:
     with traintape.Recorder(T.fresh(out), T.policy()) as rec:
         model.fit(x, y, batch_size=64, epochs=4, verbose=0, shuffle=True,
                   callbacks=[tk.Callback(rec)])  # fmt: skip
+    h = model.get_layer("fc2")(model.get_layer("fc1")(x[:512]))
+    zero = float(keras.ops.mean(keras.ops.cast(h == 0, "float32")))
+    _confirm(zero > 0.99, f"only {zero:.1%} of fc2's outputs are 0")
     return out
 
 

@@ -9,9 +9,10 @@ a random teacher, drawn in shuffled batches).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,18 @@ def fresh(path: Path) -> str:
         shutil.rmtree(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     return str(path)
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one intra-op thread (the recorded numbers do not depend on the machine's
+    core count), restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def policy(full_every: int | None = 25) -> traintape.CapturePolicy:
@@ -59,10 +72,10 @@ def train(
     ``zero_grad=False`` plants the forgotten ``opt.zero_grad()``; ``train_mode=False``
     trains a model left in ``eval()`` mode; ``before_step(t)`` runs before batch ``t``.
     """
-    torch.set_num_threads(1)
     model.train(train_mode)
     losses: list[float] = []
     with (
+        one_thread(),
         traintape.Recorder(url, policy(full_every), user=user) as rec,
         tt.watch(model, rec, optimizer=opt),
     ):
