@@ -6,7 +6,8 @@ pathologies, judged by ``traintape.analysis.health`` and ``anomalies`` as the CL
   :mod:`.healthy`, pathologies from :mod:`.pathologies`); :func:`cases` the ``--quick``
   subset or all.
 - :func:`record` — record a case's store once (reused while its marker file says it is
-  complete); :func:`judge` — judge a recorded store, as often as wanted, optionally with
+  complete and was recorded by the same code: ``benchmarks/verdicts.py --only health
+  --workdir DIR`` run twice judges the second time without training); :func:`judge` — judge a recorded store, as often as wanted, optionally with
   other health/anomalies functions (a calibration loop passes its own).
 - :func:`run` — record and judge every case; a :class:`~verdict_corpus.Section` with one
   :class:`~verdict_corpus.CaseResult` per case and the rates: false alarms (critical or
@@ -21,6 +22,8 @@ anomaly when it is ``error`` or ``warning``; ``info`` never counts.
 from __future__ import annotations
 
 import fnmatch
+import hashlib
+import inspect
 import json
 import time
 import traceback
@@ -56,18 +59,29 @@ def cases(quick: bool = False, names: Iterable[str] | None = None) -> list[Healt
     return [c for c in CASES if c.quick or not quick]
 
 
+def fingerprint(case: HealthCase) -> str:
+    """A hash of the code that records ``case``: its module's source and the torch loop's
+    (a store recorded by other code is not reused)."""
+    from . import torch_training
+
+    src = inspect.getsource(inspect.getmodule(case.record)) + inspect.getsource(torch_training)
+    return hashlib.sha256(f"{case.name}\n{src}".encode()).hexdigest()[:16]
+
+
 def record(case: HealthCase, workdir: Path, *, reuse: bool = True) -> tuple[Path, float]:
     """Record ``case`` under ``workdir`` (or reuse the store recorded there before, when
-    ``reuse`` and its marker ``<store>/.recorded.json`` exists); returns the store's path
-    and the seconds recording took (0 when reused)."""
+    ``reuse`` and its marker ``<store>/.recorded.json`` names the same :func:`fingerprint`);
+    returns the store's path and the seconds recording took (0 when reused)."""
     store = workdir / case.name
     marker = store / _MARKER
-    if reuse and marker.exists():
+    fp = fingerprint(case)
+    if reuse and marker.exists() and json.loads(marker.read_text()).get("fingerprint") == fp:
         return store, 0.0
     t0 = time.perf_counter()
     path = case.record(workdir)
     seconds = time.perf_counter() - t0
-    (path / _MARKER).write_text(json.dumps({"case": case.name, "seconds": seconds}))
+    (path / _MARKER).write_text(json.dumps({"case": case.name, "fingerprint": fp,
+                                            "seconds": seconds}))  # fmt: skip
     return path, seconds
 
 
@@ -251,5 +265,5 @@ def run(quick: bool, workdir: Path, names: Iterable[str] | None = None) -> Secti
     return Section(TITLE, results, rates(results, window_alarmed))
 
 
-__all__ = ["CASES", "ISSUE_TYPES", "TITLE", "WINDOW", "Alarm", "alarms", "cases", "judge",
-           "rates", "record", "run", "window_alarms"]  # fmt: skip
+__all__ = ["CASES", "ISSUE_TYPES", "TITLE", "WINDOW", "Alarm", "alarms", "cases",
+           "fingerprint", "judge", "rates", "record", "run", "window_alarms"]  # fmt: skip
