@@ -543,6 +543,118 @@ def record_keras_cnn_bn(workdir: Path) -> Path:
     return out
 
 
+def record_gru(workdir: Path) -> Path:
+    """A GRU classifier (the LSTM case's task and head), Adam 1e-2, 250 steps (the gate
+    checks' GRU side: its reset gate gets little gradient early by design)."""
+    import torch
+    from torch import nn
+
+    from . import torch_training as T
+
+    class GRUClassifier(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gru = nn.GRU(4, 32, batch_first=True)
+            self.head = nn.Linear(32, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h, _ = self.gru(x)
+            return self.head(h[:, -1])
+
+    out = workdir / "gru"
+    x, y = _sign_sequences()
+    torch.manual_seed(0)
+    model = GRUClassifier()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    T.train(T.fresh(out), model, opt, T.shuffled(x, y, 64), T.ce, 250)
+    return out
+
+
+def record_encoder_warmup_cosine(workdir: Path) -> Path:
+    """A 2-layer pre-norm ``nn.TransformerEncoder`` (4 heads, GELU) classifier on "token 5
+    occurs", AdamW 1e-3 with 20 steps of linear warm-up then cosine decay to 0, clip 1.0,
+    200 steps."""
+    import math
+
+    import torch
+    from torch import nn
+
+    from . import torch_training as T
+
+    class Encoder(nn.Module):
+        def __init__(self, vocab: int = 32, d: int = 32) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(vocab, d)
+            self.pos = nn.Embedding(16, d)
+            layer = nn.TransformerEncoderLayer(d, HEADS, 2 * d, dropout=0.0, activation="gelu",
+                                               batch_first=True, norm_first=True)  # fmt: skip
+            self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+            self.norm = nn.LayerNorm(d)
+            self.head = nn.Linear(d, 2)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            h = self.emb(ids) + self.pos(torch.arange(ids.shape[1]))
+            return self.head(self.norm(self.encoder(h))[:, 0])
+
+    out = workdir / "encoder_warmup_cosine"
+    x, y = _token_task()
+    torch.manual_seed(0)
+    model = Encoder()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    steps, warm = 200, 20
+
+    def schedule(t: int) -> None:
+        f = (
+            (t + 1) / warm
+            if t < warm
+            else 0.5 * (1 + math.cos(math.pi * (t - warm) / (steps - warm)))
+        )
+        for g in opt.param_groups:
+            g["lr"] = 1e-3 * f
+
+    T.train(T.fresh(out), model, opt, T.shuffled(x, y, 32), T.ce, steps, clip=1.0,
+            user={"attention_heads": HEADS}, before_step=schedule)  # fmt: skip
+    return out
+
+
+def record_resnet(workdir: Path) -> Path:
+    """A small ResNet (conv stem, 3 basic residual blocks conv-BN-ReLU-conv-BN + identity,
+    global pool, linear head) on the template images, SGD momentum 0.9 lr 0.05 with weight
+    decay 5e-4, 150 steps."""
+    import torch
+    from torch import nn
+
+    from . import torch_training as T
+
+    class Block(nn.Module):
+        def __init__(self, c: int) -> None:
+            super().__init__()
+            self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+            self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.relu(self.bn1(self.conv1(x)))
+            return torch.relu(x + self.bn2(self.conv2(h)))
+
+    class ResNet(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = nn.Conv2d(1, 16, 3, padding=1)
+            self.blocks = nn.Sequential(Block(16), Block(16), Block(16))
+            self.head = nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.blocks(torch.relu(self.stem(x))).mean((2, 3)))
+
+    out = workdir / "resnet"
+    x, y = _images()
+    torch.manual_seed(0)
+    model = ResNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    T.train(T.fresh(out), model, opt, T.shuffled(x, y, 64), T.ce, 150)
+    return out
+
+
 CASES: list[HealthCase] = [
     HealthCase("mlp_adam", "healthy", "torch", record_mlp_adam,
                "ReLU MLP, Adam, teacher task", max_final_loss=0.3, quick=True),
@@ -573,4 +685,12 @@ CASES: list[HealthCase] = [
                "Keras MLP, model.fit, Adam", max_final_loss=0.3),
     HealthCase("keras_cnn_bn", "healthy", "keras+tf", record_keras_cnn_bn,
                "Keras CNN with BatchNorm, model.fit, SGD momentum", max_final_loss=0.3),
+    HealthCase("gru", "healthy", "torch", record_gru, "GRU classifier, Adam",
+               max_final_loss=0.3),
+    HealthCase("encoder_warmup_cosine", "healthy", "torch", record_encoder_warmup_cosine,
+               "pre-norm nn.TransformerEncoder, AdamW, warm-up + cosine, clip",
+               max_final_loss=0.3),
+    HealthCase("resnet", "healthy", "torch", record_resnet,
+               "small ResNet (BatchNorm, residual blocks), SGD momentum + weight decay",
+               max_final_loss=0.3),
 ]  # fmt: skip

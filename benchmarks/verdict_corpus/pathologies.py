@@ -398,6 +398,66 @@ def record_vanishing_linen_sigmoid(workdir: Path) -> Path:
     return out
 
 
+def record_zero_grad_forgotten_adam(workdir: Path) -> Path:
+    """The healthy ``mlp_adam`` run (Adam 3e-3) without ``opt.zero_grad()``: Adam
+    normalises the growing sum, so the steps do not grow, but they follow the sum of all
+    past gradients and the loss swings (0.4 → 7 → 0.8 …)."""
+    import torch
+
+    from . import torch_training as T
+
+    out = workdir / "zero_grad_forgotten_adam"
+    x, y = T.teacher_task(16, 4)
+    model = T.mlp([16, 64, 64, 4])
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    batch = T.shuffled(x, y, 64)
+    T.train(T.fresh(out), model, opt, batch, T.ce, 200, zero_grad=False)
+    held = model[0].weight.grad.norm()
+    model.zero_grad()
+    T.ce(model, *batch(200)).backward()
+    fresh_norm = model[0].weight.grad.norm()
+    _confirm(bool(held > 10 * fresh_norm), f"p.grad only {held / fresh_norm:.3g}x one step's")
+    return out
+
+
+def record_lr_too_small_sgd(workdir: Path) -> Path:
+    """The healthy ``mlp_regression_sgd`` run at lr 1e-5 (5000x too small): the loss
+    stays where it started."""
+    import torch
+    from torch import nn
+
+    from . import torch_training as T
+
+    out = workdir / "lr_too_small_sgd"
+    x, y = T.teacher_regression(16, 4)
+    model = T.mlp([16, 64, 64, 4], act=nn.Tanh)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-5, momentum=0.9)
+    losses = T.train(T.fresh(out), model, opt, T.shuffled(x, y, 64), T.mse, 200)
+    a, b = sum(losses[:40]) / 40, sum(losses[-40:]) / 40
+    _confirm(abs(a - b) < 0.03 * a, f"the loss moved from {a:.4g} to {b:.4g}")
+    return out
+
+
+def record_lr_100x_gpt2_adam(workdir: Path) -> Path:
+    """The tiny GPT-2 of the healthy ``gpt2_lora`` pretraining trained with AdamW at lr 0.3
+    (100x its 3e-3), no clipping: each step moves the weights by more than their size
+    and the model collapses to predicting the uniform distribution (loss ≈ ln 32)."""
+    import torch
+
+    from . import torch_training as T
+    from .healthy import _lm_loss, _shift_sequences, tiny_gpt2
+
+    out = workdir / "lr_100x_gpt2_adam"
+    model = tiny_gpt2()
+    ids = _shift_sequences()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.3)
+    losses = T.train(T.fresh(out), model, opt, T.shuffled(ids, ids[:, 0], 16), _lm_loss, 100,
+                     user={"attention_heads": 2})  # fmt: skip
+    tail = sum(losses[-10:]) / 10
+    _confirm(tail > 3.0, f"the loss came down to {tail:.3g}")
+    return out
+
+
 CASES: list[HealthCase] = [
     HealthCase("vanishing_deep_sigmoid", "pathology", "torch", record_vanishing_deep_sigmoid,
                "10-layer sigmoid MLP", expect=("vanishing",), layers=("0", "2", "4"),
@@ -439,4 +499,11 @@ CASES: list[HealthCase] = [
     HealthCase("vanishing_linen_sigmoid", "pathology", "jax+flax.linen",
                record_vanishing_linen_sigmoid, "10-layer sigmoid Linen MLP",
                expect=("vanishing",), layers=("layers/0", "layers/1", "layers/2")),
+    HealthCase("zero_grad_forgotten_adam", "pathology", "torch",
+               record_zero_grad_forgotten_adam, "opt.zero_grad() forgotten under Adam",
+               expect=("accumulating_grad",)),
+    HealthCase("lr_too_small_sgd", "pathology", "torch", record_lr_too_small_sgd,
+               "SGD lr 1e-5 on the regression", expect=("lr_too_small",)),
+    HealthCase("lr_100x_gpt2_adam", "pathology", "torch+transformers", record_lr_100x_gpt2_adam,
+               "tiny GPT-2, AdamW lr 0.3 (100x), no clipping", expect=("exploding",)),
 ]  # fmt: skip
