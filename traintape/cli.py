@@ -437,7 +437,7 @@ def ls_runs(
     console.print(t)
 
 
-_COLOR = {"healthy": "green", "warning": "yellow", "critical": "red"}
+_COLOR = {"healthy": "green", "info": "blue", "warning": "yellow", "critical": "red"}
 _GLYPH = {"healthy": "·", "warning": "▲", "critical": "✖"}
 _SEVERITY = {"healthy": 0, "warning": 1, "critical": 2}
 
@@ -475,15 +475,29 @@ def _health_table(rep: Any) -> None:
     )
     for lh in rep.layers:
         t.add_row(
-            _safe(lh.layer), *(v(lh) for _, v in cols), ", ".join(i.type.value for i in lh.issues)
+            _safe(lh.layer), *(v(lh) for _, v in cols), ", ".join(str(i.type) for i in lh.issues)
         )
     console.print(t)
     for i in rep.issues():
         c = _COLOR[i.severity]
         where = _safe(i.layer or "run")
-        console.print(
-            f"[{c}]{i.type.value}[/{c}] {where}: {_safe(i.message)}\n    → {i.recommendation}"
-        )
+        console.print(f"[{c}]{i.type}[/{c}] {where}: {_safe(i.message)}")
+    _recommendations(rep.issues())
+
+
+def _recommendations(issues: list[Any]) -> None:
+    """Each recommendation of ``issues`` once, with the layers it applies to."""
+    from traintape.analysis import recommendations
+
+    recs = recommendations(i for i in issues if i.severity != "info")
+    if recs:
+        console.print("[bold]recommendations[/bold]")
+    for r in recs:
+        c = _COLOR[r.severity]
+        where = ", ".join(_safe(x) for x in r.layers[:6])
+        if len(r.layers) > 6:
+            where += f", … ({len(r.layers)} layers)"
+        console.print(f"[{c}]{r.type}[/{c}] ({where})\n    → {_safe(r.recommendation)}")
 
 
 def _checks_table(results: list[Any]) -> None:
@@ -563,7 +577,7 @@ def _health_trend(r: Any, run: str, window: int, as_json: bool, th: Any = None) 
     for lt in tr.layers:
         ch = [
             f"{c.before} → {c.after} at {c.step}"
-            + (f" ({', '.join(i.value for i in c.issues)})" if c.issues else "")
+            + (f" ({', '.join(str(i) for i in c.issues)})" if c.issues else "")
             for c in lt.changes
         ]
         more = f"; … {len(ch) - 3} more" if len(ch) > 3 else ""
@@ -578,10 +592,8 @@ def _health_trend(r: Any, run: str, window: int, as_json: bool, th: Any = None) 
         span = f"steps {i.first_step}..{i.last_step}" + (
             f" ({i.windows} windows)" if i.windows > 1 else ""
         )
-        console.print(
-            f"[{c}]{i.type.value}[/{c}] {_safe(i.layer or 'run')}, {span}: {_safe(i.message)}"
-            f"\n    → {i.recommendation}"
-        )
+        console.print(f"[{c}]{i.type}[/{c}] {_safe(i.layer or 'run')}, {span}: {_safe(i.message)}")
+    _recommendations(tr.issues())
     raise typer.Exit(code)
 
 
@@ -702,11 +714,30 @@ _THRESHOLD_HELP = (
 )
 
 
+def _window_arg(window: str | None) -> int | None:
+    """``--window``: None, a step count ≥ 1, or ``auto`` (returned as 0)."""
+    if window is None:
+        return None
+    if window.strip().lower() == "auto":
+        return 0
+    try:
+        n = int(window)
+    except ValueError:
+        _fail(f"--window must be a number of steps or 'auto', got {window!r}")
+    if n < 1:
+        _fail(f"--window must be at least 1 step, got {n}")
+    return n
+
+
 @app.command()
 def health(
     run: str = typer.Argument(..., help="run directory or URL"),
-    window: int | None = typer.Option(
-        None, "--window", "-w", help="health per window of N steps: how each layer's status evolves"
+    window: str | None = typer.Option(
+        None,
+        "--window",
+        "-w",
+        help="health per window of N steps: how each layer's status evolves (auto: "
+        "windows sized to the run's length)",
     ),
     against: str | None = typer.Option(
         None, "--against", help="baseline run: is RUN improved, degraded or unchanged, per layer?"
@@ -726,7 +757,7 @@ def health(
     """Gradient-flow health per layer: score, status, issues and recommendations.
 
     With --window N: each layer's status per window of N steps (windows aligned to
-    multiples of N), where it changed, and the issues of each stretch of windows, with
+    multiples of N; --window auto: sized to the run), where it changed, and the issues of each stretch of windows, with
     turbulence, max pressure and grad-norm velocity/acceleration. With --against B: per
     layer, RUN improved / degraded / unchanged against the baseline B, with the issues
     resolved or new and the measures that moved (from B's value to RUN's).
@@ -742,15 +773,19 @@ def health(
     from traintape.analysis import HealthThresholds
     from traintape.analysis import health as run_health
 
-    if window is not None and window < 1:
-        _fail(f"--window must be at least 1 step, got {window}")
-    if window is not None and against is not None:
+    steps_per_window = _window_arg(window)
+    if steps_per_window is not None and against is not None:
         _fail("--window and --against cannot be combined", "run them one after the other")
     th = _thresholds(HealthThresholds, threshold, "health")
     _import_checks(checks)
     r = _open(run)
-    if window is not None:
-        _health_trend(r, run, window, as_json, th)
+    if steps_per_window is not None:
+        if steps_per_window == 0:  # auto
+            from traintape.analysis.health_trend import default_window
+
+            min_rows = (th or HealthThresholds()).trend_min_rows
+            steps_per_window = default_window(r.steps, min_rows=min_rows)
+        _health_trend(r, run, steps_per_window, as_json, th)
     if against is not None:
         _health_against(r, run, _open(against), against, as_json, th)
     with _reading(run), _progress("health") as cb:

@@ -116,6 +116,7 @@ from traintape.analysis._common import (
     tensor_rank,
 )
 from traintape.analysis.change import attention_projection, component
+from traintape.analysis.issues import Issue, IssueType, Severity
 from traintape.schema import Kind, split_name
 from traintape.schema.roles import (
     BIAS_HH,
@@ -225,15 +226,9 @@ class ArchitectureThresholds(BaseModel):
         return self
 
 
-class ArchIssue(BaseModel):
-    """One architecture issue; ``layer`` is the layer, attention, block or stack it is about."""
-
-    type: ArchIssueType
-    severity: Literal["warning", "critical"]
-    layer: str | None
-    message: str
-    recommendation: str
-    evidence: dict[str, Any] = Field(default_factory=dict)
+ArchIssue = Issue
+"""An architecture issue: the one :class:`~traintape.analysis.issues.Issue` model;
+``layer`` is the layer, attention, block or stack it is about."""
 
 
 class UnitGradient(BaseModel):
@@ -320,8 +315,8 @@ def _issue(t: ArchIssueType, severity: str, layer: str | None, msg: str, **ev: A
     clean = {
         k: (finite_float(v) if isinstance(v, float | np.floating) else v) for k, v in ev.items()
     }
-    return ArchIssue(type=t, severity=severity, layer=layer, message=msg,  # type: ignore[arg-type]
-                     recommendation=RECOMMENDATIONS[t], evidence=clean)  # fmt: skip
+    return Issue(type=IssueType(t), severity=Severity(severity), layer=layer, message=msg,
+                 recommendation=RECOMMENDATIONS[t], evidence=clean)  # fmt: skip
 
 
 def _median(series: np.ndarray) -> float | None:

@@ -26,15 +26,9 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, Field
 
 from traintape.analysis._common import ProgressCallback, Tracker
-from traintape.analysis.health import (
-    HealthReport,
-    HealthThresholds,
-    Issue,
-    IssueType,
-    LayerHealth,
-    Status,
-    health,
-)
+from traintape.analysis.health import health
+from traintape.analysis.health_model import HealthReport, HealthThresholds, LayerHealth
+from traintape.analysis.issues import Issue, IssueType, Status
 
 if TYPE_CHECKING:
     from traintape.core.reader import Run

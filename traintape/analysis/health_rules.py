@@ -1,0 +1,585 @@
+"""The built-in health rules, registered exactly like user checks.
+
+Each rule is a function ``fn(ctx: RuleContext) -> list[Issue]`` registered with
+:func:`traintape.analysis.registry.rule` under its name, with the names of the
+:class:`~traintape.analysis.health_model.HealthThresholds` fields it reads (overridable
+with ``traintape health -t NAME=VALUE``) and its scope (the whole run, each window of
+health over time, or both). :func:`judge` runs them in registration order; an issue
+whose ``layer`` is in the health table joins that layer's issues as soon as its rule
+returns (later rules see it), the others are run-level. A new rule is one more function
+here (or anywhere, with ``@rule``): nothing else changes.
+
+Each rule's docstring names the cases of the verdict corpus
+(``benchmarks/verdict_corpus/health_cases.py``) and the tests that justify its
+thresholds: the pathology that must fire it and the healthy trainings that must not.
+
+**Roles.** Relative gradients (``‖g‖/‖θ‖``) and update ratios are compared only among
+layers of one *role* (:func:`role_group`): norm scales, embeddings, attention q/k
+projections, the A and the B factors of LoRA adapters, and everything else. A
+LayerNorm/RMSNorm scale (all ones at init, ``‖θ‖ = √d``) and an embedding table (most rows
+get no gradient from a batch) have grad/param ratios orders of magnitude below a dense
+kernel's in healthy training, and q/k get almost no gradient while attention is still
+uniform (at init the scores are ≈ 0, and ``∂L/∂W_q ∝ W_k``-scaled score gradients).
+
+**Advice that knows the run.** Recommendations are written from :class:`RunContext`:
+a run that already clips gradients is not told to add clipping, one with an adaptive
+optimizer is not told to use Adam, one whose recorded activations are not bounded is
+not told to replace sigmoid/tanh.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from traintape.analysis.change import qkv_groups
+from traintape.analysis.health_model import (
+    HealthThresholds,
+    LayerFacts,
+    LayerHealth,
+    RunContext,
+)
+from traintape.analysis.issues import Issue, IssueType, Severity, clean_evidence
+from traintape.analysis.registry import rule, rules
+
+CRIT, WARN, INFO = Severity.CRITICAL, Severity.WARNING, Severity.INFO
+
+
+@dataclass
+class RuleContext:
+    """What a rule reads: the layers' measures (``layers``, forward order; issues of the
+    rules run so far included), per-layer facts, thresholds, what the run already does,
+    the span judged (``"the run"`` / ``"the window"``), and per window of health over
+    time the window's dynamic measures per layer (``dynamics``: turbulence, max_pressure,
+    velocity, acceleration, t_stat, span; empty over the whole run)."""
+
+    layers: list[LayerHealth]
+    facts: LayerFacts
+    th: HealthThresholds
+    run: RunContext
+    span: str = "the run"
+    window: bool = False
+    dynamics: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def layer(self, name: str) -> LayerHealth | None:
+        return next((lh for lh in self.layers if lh.layer == name), None)
+
+
+# ------------------------------------------------------------------ roles and measures
+def role_group(lh: LayerHealth, roles: dict[str, str]) -> str:
+    """Which layers ``lh`` is compared with: ``lora_A`` / ``lora_B`` (LoRA factors),
+    ``norm``, ``embedding``, ``attention/qk`` (q and k projections), or ``other``."""
+    if lh.lora is not None:
+        return lh.lora.part
+    role = roles.get(lh.layer, "mlp")
+    if role in ("norm", "embedding"):
+        return role
+    if role in ("attention/q", "attention/k"):
+        return "attention/qk"
+    return "other"
+
+
+def rel_grad(lh: LayerHealth) -> float | None:
+    """The relative gradient the rules read: a LoRA factor's effective one."""
+    return lh.rel_grad if lh.lora is None else lh.lora.rel_grad
+
+
+def update_ratio(lh: LayerHealth) -> float | None:
+    """The update ratio the rules read: a LoRA factor's effective one (None without a
+    recorded base weight: a factor's own ratio is no measure)."""
+    return lh.update_ratio if lh.lora is None else lh.lora.update_ratio
+
+
+def grad_growth(lh: LayerHealth) -> float | None:
+    return lh.grad_growth if lh.lora is None else lh.lora.grad_growth
+
+
+def _has(lh: LayerHealth, t: IssueType) -> bool:
+    return any(i.type == t for i in lh.issues)
+
+
+# ------------------------------------------------------------------ advice
+def advice(t: IssueType, run: RunContext) -> str:
+    """The recommendation for issue type ``t``, written for what ``run`` already does."""
+    clips = run.clipping is not None
+    clip = "" if clips else ", add gradient clipping (e.g. clip the global norm to 1.0)"
+    if t == IssueType.VANISHING:
+        act = ("" if run.bounded_activations is False
+               else "use ReLU/GELU instead of sigmoid/tanh, ")  # fmt: skip
+        return (f"gradients barely reach this layer: {act}He/Xavier initialisation, "
+                "residual connections or normalisation layers; check for a stray "
+                "detach/stop-gradient or a near-zero scale on the path")  # fmt: skip
+    if t == IssueType.EXPLODING:
+        already = (f" (the run already clips gradients, at {run.clip_frac:.0%} of steps: "
+                   "clipping is not holding them)" if clips else "")  # fmt: skip
+        return (
+            f"lower the learning rate{clip} or lengthen learning-rate warm-up; check "
+            f"the loss scale{already}"
+        )
+    if t == IssueType.LAYER_IMBALANCE:
+        opt = "" if run.adaptive else "use an adaptive optimizer (Adam), "
+        return (f"layers learn at very different speeds: {opt}per-layer learning rates, "
+                "or normalise layer scales")  # fmt: skip
+    if t == IssueType.TURBULENT:
+        return ("the gradient norm swings widely from step to step: lower the learning "
+                f"rate, increase the batch size (or accumulate gradients){clip}, or "
+                "raise Adam's epsilon")  # fmt: skip
+    if t == IssueType.PRESSURE_SPIKE:
+        c = "" if clips else "clip gradients (global or per-layer norm), "
+        return (f"a few steps push this layer's weights far harder than the rest: {c}look "
+                "for outlier batches at those steps, or lower the learning rate (with "
+                "warm-up, if the spikes come first thing)")  # fmt: skip
+    if t == IssueType.ACCELERATING:
+        return ("the gradient norm grows faster and faster, heading for divergence: lower "
+                f"the (peak) learning rate or lengthen warm-up{clip}, and check the loss "
+                "scale")  # fmt: skip
+    return _FIXED[t]
+
+
+_FIXED: dict[IssueType, str] = {
+    IssueType.DEAD: "the layer outputs (or receives) only zeros: check bias initialisation, "
+    "use LeakyReLU/GELU, lower the learning rate, or re-initialise the layer",
+    IssueType.SATURATED: "activations sit at the bounds of sigmoid/tanh: normalise inputs, "
+    "add LayerNorm/BatchNorm before the nonlinearity, or scale down initial weights",
+    IssueType.DECAY_WITH_DEPTH: "gradient size decays towards the input layers: add residual "
+    "connections or normalisation, or use per-layer learning rates",
+    IssueType.ATTENTION_QKV_IMBALANCE: "q/k/v projections get very different gradients: "
+    "check the attention scaling (1/sqrt(d)), initialisation of q/k, and QK-normalisation",
+    IssueType.ACCUMULATING_GRADIENTS: "gradients add up from step to step: call "
+    "optimizer.zero_grad() (or set_to_none) every step — or, when accumulating on purpose, "
+    "step the optimizer and zero the gradients every N micro-batches and divide the loss by N",
+    IssueType.FROZEN: "this layer's weights never change: check that its parameters are in "
+    "the optimizer's parameter groups and have requires_grad=True (or that freezing it "
+    "is intended)",
+}
+
+
+def issue(
+    ctx: RuleContext, t: IssueType, sev: Severity, layer: str | None, msg: str, **evidence: Any
+) -> Issue:
+    """An issue of type ``t`` with the run-aware recommendation."""
+    return Issue(type=t, severity=sev, layer=layer, message=msg,
+                 recommendation=advice(t, ctx.run), evidence=clean_evidence(evidence))  # fmt: skip
+
+
+# ------------------------------------------------------------------ per-layer rules
+@rule("nonfinite_gradients")
+def nonfinite_gradients(ctx: RuleContext) -> list[Issue]:
+    """EXPLODING (critical): a layer with NaN/Inf gradient values. No threshold: any
+    non-finite gradient is an error (corpus: ``loss_nan_at_step``)."""
+    out = []
+    for lh in ctx.layers:
+        n = ctx.facts.nonfinite.get(lh.layer, 0.0)
+        if n > 0:
+            out.append(issue(ctx, IssueType.EXPLODING, CRIT, lh.layer,
+                             f"{int(n)} non-finite gradient values", nonfinite_values=int(n)))  # fmt: skip
+    return out
+
+
+@rule("gradient_norm_limit", thresholds=("exploding_norm",))
+def gradient_norm_limit(ctx: RuleContext) -> list[Issue]:
+    """EXPLODING (critical): median or max gradient norm above ``exploding_norm`` (1e3).
+    Corpus: ``exploding_lr_100x`` fires it; healthy trainings' largest layer grad norms
+    (HF BERT/GPT-2 from config, fine-tuning, the demo) stay below 1e2."""
+    out = []
+    for lh in ctx.layers:
+        if lh.grad_norm is None or _has(lh, IssueType.EXPLODING):
+            continue
+        gmax = ctx.facts.gmax.get(lh.layer, lh.grad_norm)
+        if max(lh.grad_norm, gmax) > ctx.th.exploding_norm:
+            out.append(issue(ctx, IssueType.EXPLODING, CRIT, lh.layer,
+                             f"gradient norm up to {gmax:.3g} (> {ctx.th.exploding_norm:g})",
+                             grad_norm_median=lh.grad_norm, grad_norm_max=gmax))  # fmt: skip
+    return out
+
+
+@rule("update_ratio_limit", thresholds=("update_ratio_high",))
+def update_ratio_limit(ctx: RuleContext) -> list[Issue]:
+    """EXPLODING (critical): median update/param ratio (a LoRA factor: its effective
+    ratio) above ``update_ratio_high`` (0.1: every step rewrites 10% of the weights).
+    Corpus: ``exploding_lr_100x``; healthy Adam trainings at lr ≤ 1e-3 stay below 1e-2."""
+    out = []
+    for lh in ctx.layers:
+        ratio = update_ratio(lh)
+        if lh.grad_norm is None or ratio is None or _has(lh, IssueType.EXPLODING):
+            continue
+        if ratio > ctx.th.update_ratio_high:
+            what = ("effective update ratio (of the adapted layer's weight)"
+                    if lh.lora is not None else "update/param ratio")  # fmt: skip
+            out.append(issue(ctx, IssueType.EXPLODING, CRIT, lh.layer,
+                             f"{what} {ratio:.3g} (> {ctx.th.update_ratio_high:g}): steps "
+                             "too large", update_ratio=ratio, grad_growth=grad_growth(lh)))  # fmt: skip
+    return out
+
+
+@rule("gradient_growth", thresholds=("exploding_growth",))
+def gradient_growth(ctx: RuleContext) -> list[Issue]:
+    """EXPLODING (warning): the grad norm grew more than ``exploding_growth`` (100x) from
+    the first to the last quarter of the span. Corpus: ``exploding_lr_100x`` (when the
+    norm has not yet crossed ``exploding_norm``)."""
+    out = []
+    for lh in ctx.layers:
+        g = grad_growth(lh)
+        if lh.grad_norm is None or g is None or _has(lh, IssueType.EXPLODING):
+            continue
+        if g > ctx.th.exploding_growth:
+            out.append(issue(ctx, IssueType.EXPLODING, WARN, lh.layer,
+                             f"gradient norm grew {g:.3g}x over {ctx.span}", grad_growth=g))  # fmt: skip
+    return out
+
+
+@rule("dead", thresholds=("dead_zero_frac", "dead_steps_frac"))
+def dead(ctx: RuleContext) -> list[Issue]:
+    """DEAD (critical): an activation zero for ``dead_zero_frac`` (99%) of values, or
+    gradients exactly zero at ``dead_steps_frac`` (90%) of steps (a frozen layer — no
+    gradient recorded — is not dead). Corpus: ``dead_relu`` (bias −10 before a ReLU);
+    healthy ReLU nets (the demo, converged MLPs) stay below 60% zeros."""
+    out = []
+    th = ctx.th
+    for lh in ctx.layers:
+        zero_act = lh.act_zero_frac is not None and lh.act_zero_frac >= th.dead_zero_frac
+        dead_act = zero_act and not lh.frozen
+        zsteps = ctx.facts.zero_steps.get(lh.layer, 0.0)
+        dead_grad = zsteps >= th.dead_steps_frac
+        if not (dead_act or dead_grad):
+            continue
+        msg = (f"activation is zero for {100 * (lh.act_zero_frac or 0):.1f}% of values"
+               if dead_act else "gradients are exactly zero")  # fmt: skip
+        if dead_act and dead_grad:
+            msg += " and gradients are all-zero"
+        out.append(issue(ctx, IssueType.DEAD, CRIT, lh.layer, msg,
+                         act_zero_frac=lh.act_zero_frac, grad_zero_steps_frac=zsteps))  # fmt: skip
+    return out
+
+
+@rule("vanishing", thresholds=("vanishing_rel", "vanishing_rel_critical", "vanishing_abs",
+                               "early_steps"))  # fmt: skip
+def vanishing(ctx: RuleContext) -> list[Issue]:
+    """VANISHING: a layer whose median grad norm is below ``vanishing_abs`` (1e-8;
+    critical), or whose relative gradient is below ``vanishing_rel`` (1e-2; warning) /
+    ``vanishing_rel_critical`` (1e-3; critical) of the largest one *of its role*
+    (:func:`role_group`). In a run shorter than ``early_steps`` (20) a relative warning
+    is info: at init q/k, zero-initialised projections and norm scales legitimately get
+    little gradient. Corpus: ``vanishing_deep_sigmoid`` (first layers 1e-4 of the last);
+    healthy: HF BERT/GPT-2 from config (LayerNorm, q/k, embeddings: each judged in its
+    role), LoRA fine-tuning (A with A, B with B)."""
+    th, roles = ctx.th, ctx.run.roles
+    top: dict[str, float] = {}
+    for lh in ctx.layers:
+        r = rel_grad(lh)
+        if r is not None and r > 0 and np.isfinite(r):
+            g = role_group(lh, roles)
+            top[g] = max(r, top.get(g, 0.0))
+    early = ctx.run.steps < th.early_steps and not ctx.window
+    out = []
+    for lh in ctx.layers:
+        if (lh.grad_norm is None or _has(lh, IssueType.DEAD)
+                or ctx.facts.nonfinite.get(lh.layer, 0.0) > 0):  # fmt: skip
+            continue
+        r, grp = rel_grad(lh), role_group(lh, roles)
+        best = top.get(grp)
+        absolute = lh.grad_norm < th.vanishing_abs
+        relative = bool(best) and r is not None and r < th.vanishing_rel * best
+        if not (absolute or relative):
+            continue
+        frac = (r / best) if (best and r is not None) else 0.0
+        crit = absolute or frac < th.vanishing_rel_critical
+        sev = CRIT if crit else (INFO if early else WARN)
+        of = "the largest layer's" if grp == "other" else f"the largest {grp} layer's"
+        out.append(issue(ctx, IssueType.VANISHING, sev, lh.layer,
+                         f"relative gradient {r or 0:.3g} is {frac:.2g}x {of} ({best or 0:.3g})",
+                         grad_norm=lh.grad_norm, rel_grad=r, fraction_of_max=frac,
+                         role=grp))  # fmt: skip
+    return out
+
+
+@rule("saturated", thresholds=("saturated_frac", "saturated_std", "dead_zero_frac"))
+def saturated(ctx: RuleContext) -> list[Issue]:
+    """SATURATED (warning): a bounded activation (all values in [-1, 1]) whose
+    ``abs_mean`` is above ``saturated_frac`` (0.9), or a [0, 1] activation whose mean is
+    within ``1 − saturated_frac`` of a bound with std below ``saturated_std`` (0.05).
+    Corpus: ``saturated_tanh`` (tanh after a ×20 kernel); healthy: GRU/LSTM and sigmoid
+    nets of the corpus."""
+    th, out = ctx.th, []
+    for lh in ctx.layers:
+        a = ctx.facts.act.get(lh.layer)
+        if not a or a["min"] is None or a["max"] is None or a["abs_mean"] is None:
+            continue
+        lo, hi = a["min"], a["max"]
+        zero_act = lh.act_zero_frac is not None and lh.act_zero_frac >= th.dead_zero_frac
+        sat = lo >= -1.0 and hi <= 1.0 and lo < 0 and a["abs_mean"] > th.saturated_frac
+        if (lo >= 0.0 and hi <= 1.0 and a["mean"] is not None and a["std"] is not None
+                and a["std"] < th.saturated_std and not zero_act
+                and (a["mean"] < 1 - th.saturated_frac or a["mean"] > th.saturated_frac)):  # fmt: skip
+            sat = True
+        if sat:
+            out.append(issue(ctx, IssueType.SATURATED, WARN, lh.layer,
+                             f"bounded activation saturated (mean {a['mean']:.3g}, "
+                             f"|mean| {a['abs_mean']:.3g}, std {a['std']:.3g})",
+                             **{k: v for k, v in a.items() if v is not None}))  # fmt: skip
+    return out
+
+
+# ------------------------------------------------------------------ run-level rules
+def _groups(ctx: RuleContext) -> dict[str, list[LayerHealth]]:
+    out: dict[str, list[LayerHealth]] = {}
+    for lh in ctx.layers:
+        out.setdefault(role_group(lh, ctx.run.roles), []).append(lh)
+    return out
+
+
+def _what(grp: str) -> str:
+    return "" if grp == "other" else f"{grp} "
+
+
+@rule("decay_with_depth", thresholds=("decay_ratio",))
+def decay_with_depth(ctx: RuleContext) -> list[Issue]:
+    """DECAY_WITH_DEPTH (warning, run level): within one role, the last layer's relative
+    gradient above ``decay_ratio`` (100) times the first layer's (at least 3 layers).
+    Corpus: ``vanishing_deep_sigmoid``; healthy: every corpus training (an embedding or
+    norm scale is never compared with a dense kernel)."""
+    out = []
+    for grp, members in _groups(ctx).items():
+        with_rel = [(lh, r) for lh in members if (r := rel_grad(lh)) is not None and r > 0]
+        if len(with_rel) < 3:
+            continue
+        (first, r0), (last, r1) = with_rel[0], with_rel[-1]
+        if r1 / r0 > ctx.th.decay_ratio:
+            out.append(issue(ctx, IssueType.DECAY_WITH_DEPTH, WARN, None,
+                             f"{_what(grp)}relative gradient falls {r1 / r0:.3g}x from "
+                             f"{last.layer!r} back to {first.layer!r}", ratio=r1 / r0,
+                             profile={x.layer: r for x, r in with_rel}))  # fmt: skip
+    return out
+
+
+@rule("layer_imbalance", thresholds=("imbalance_ratio",))
+def layer_imbalance(ctx: RuleContext) -> list[Issue]:
+    """LAYER_IMBALANCE (warning, run level): within one role, max / min median update
+    ratio above ``imbalance_ratio`` (1e3). Corpus: ``layer_lr_tiny`` (one param group at
+    lr/1e4); healthy: Adam trainings where norm scales (θ ≈ 1) move 1e-2 as fast as
+    kernels — judged in their own role."""
+    out = []
+    for grp, members in _groups(ctx).items():
+        ur = [(lh, r) for lh in members if (r := update_ratio(lh)) is not None and r > 0]
+        if len(ur) < 2:
+            continue
+        hi_l, hi = max(ur, key=lambda x: x[1])
+        lo_l, lo = min(ur, key=lambda x: x[1])
+        if hi / lo > ctx.th.imbalance_ratio:
+            out.append(issue(ctx, IssueType.LAYER_IMBALANCE, WARN, None,
+                             f"{_what(grp)}update/param ratio ranges {hi / lo:.3g}x: "
+                             f"{hi_l.layer!r} {hi:.3g} vs {lo_l.layer!r} {lo:.3g}",
+                             ratio=hi / lo, fastest=hi_l.layer, slowest=lo_l.layer))  # fmt: skip
+    return out
+
+
+@rule("qkv_imbalance", thresholds=("qkv_ratio", "early_steps"))
+def qkv_imbalance(ctx: RuleContext) -> list[Issue]:
+    """ATTENTION_QKV_IMBALANCE (warning; info in a run shorter than ``early_steps``):
+    max / min of one attention's q, k, v grad norms above ``qkv_ratio`` (10). At init
+    q/k get little gradient (uniform attention) while v gets the full signal, so an
+    early ratio is expected. Corpus: ``attention_scaled_by_d``; healthy: HF BERT/GPT-2."""
+    by_layer = {lh.layer: lh for lh in ctx.layers}
+    early = ctx.run.steps < ctx.th.early_steps and not ctx.window
+    out = []
+    for parent, group in qkv_groups(by_layer).items():
+        gn = {s: by_layer[layer].grad_norm for s, layer in group.items()}
+        vals = [v for v in gn.values() if v is not None and v > 0]
+        if len(vals) >= 2 and max(vals) / min(vals) > ctx.th.qkv_ratio:
+            out.append(issue(ctx, IssueType.ATTENTION_QKV_IMBALANCE, INFO if early else WARN,
+                             parent, f"q/k/v gradient norms differ {max(vals) / min(vals):.3g}x",
+                             **{f"grad_norm_{k}": v for k, v in gn.items()}))  # fmt: skip
+    return out
+
+
+def linear_fit_r2(t: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """``(slope, R²)`` of the least-squares line ``y ≈ a + b·t`` (NaN with < 3 values)."""
+    m = np.isfinite(y)
+    t, y = np.asarray(t, np.float64)[m], np.asarray(y, np.float64)[m]
+    if len(y) < 3 or np.ptp(t) == 0:
+        return math.nan, math.nan
+    b, a = np.polyfit(t, y, 1)
+    ss = float(((y - y.mean()) ** 2).sum())
+    r2 = 1.0 - float(((y - (a + b * t)) ** 2).sum()) / ss if ss > 0 else math.nan
+    return float(b), r2
+
+
+def _quarters(y: np.ndarray) -> float:
+    q = max(1, len(y) // 4)
+    first, last = float(np.median(y[:q])), float(np.median(y[-q:]))
+    return last / first if first > 0 else math.nan
+
+
+@rule("accumulating_gradients", scope="run",
+      thresholds=("accumulating_r2", "accumulating_growth", "accumulating_min_steps"))  # fmt: skip
+def accumulating_gradients(ctx: RuleContext) -> list[Issue]:
+    """ACCUMULATING_GRADIENTS (warning, run level): ``zero_grad`` forgotten — the
+    recorded gradient is the sum of every step's so far, so the global grad norm grows
+    linearly with the step: R² of a line ≥ ``accumulating_r2`` (0.9), last / first quarter
+    ≥ ``accumulating_growth`` (3), over ≥ ``accumulating_min_steps`` (8) steps, while the
+    loss does not rise (grad norm / loss grows by the same factor: a diverging loss
+    explains a growing gradient, that is EXPLODING). Corpus: ``zero_grad_forgotten``
+    (torch, SGD and Adam); healthy: every corpus training (grad norms fall or wander,
+    R² < 0.5), including LM training whose grad norm rises slowly late in the run."""
+    th = ctx.th
+    g = np.asarray(ctx.facts.global_grad, np.float64)
+    t = np.asarray(ctx.facts.grad_steps, np.float64)
+    fin = np.isfinite(g) & (g > 0)
+    g, t = g[fin], t[fin]
+    if len(g) < th.accumulating_min_steps:
+        return []
+    slope, r2 = linear_fit_r2(t, g)
+    growth = _quarters(g)
+    if not (slope > 0 and r2 >= th.accumulating_r2 and growth >= th.accumulating_growth):
+        return []
+    loss = None if ctx.run.loss is None else np.asarray(ctx.run.loss, np.float64)[fin]
+    if loss is not None and np.isfinite(loss).sum() >= th.accumulating_min_steps:
+        lf = np.where(np.isfinite(loss) & (loss > 0), loss, np.nan)
+        with np.errstate(all="ignore"):
+            ratio = g / lf
+        ratio = ratio[np.isfinite(ratio)]
+        if len(ratio) >= th.accumulating_min_steps and _quarters(ratio) < th.accumulating_growth:
+            return []  # the loss rose with the gradient: divergence, not accumulation
+    return [issue(ctx, IssueType.ACCUMULATING_GRADIENTS, WARN, None,
+                  f"the global gradient norm grows linearly with the step (R² {r2:.2f}, "
+                  f"{growth:.3g}x from the first to the last quarter): gradients are "
+                  "summed over steps, not reset", r2=r2, growth=growth, slope_per_step=slope,
+                  layers=[lh.layer for lh in ctx.layers if lh.grad_norm is not None])]  # fmt: skip
+
+
+@rule("frozen_by_mistake", scope="run")
+def frozen_by_mistake(ctx: RuleContext) -> list[Issue]:
+    """FROZEN (warning): a layer the optimizer does not train although it should —
+    (a) it gets a non-zero gradient at most steps but every recorded update is exactly
+    zero (its parameters are missing from the optimizer, or its learning rate is 0), or
+    (b) in a run without LoRA adapters, no gradient is recorded for it
+    (``requires_grad=False``) while a layer *before* it in forward order trains: freezing
+    on purpose freezes a prefix (embeddings, a pretrained encoder) or a LoRA base, not a
+    layer in the middle. No threshold. Corpus: ``layer_frozen_by_mistake``; healthy:
+    LoRA fine-tuning (base frozen), fine-tuning with a frozen encoder prefix."""
+    out = []
+    lora = any(lh.lora is not None for lh in ctx.layers)
+    trained_before = False
+    order = ctx.run.order
+    for lh in sorted(ctx.layers, key=lambda x: order.get(x.layer, x.depth)):
+        if lh.frozen and not lora and trained_before:
+            out.append(issue(ctx, IssueType.FROZEN, WARN, lh.layer,
+                             "no gradient recorded (requires_grad=False) although earlier "
+                             "layers train"))  # fmt: skip
+        elif (ctx.facts.update_zero.get(lh.layer) and lh.grad_norm
+              and ctx.facts.zero_steps.get(lh.layer, 0.0) < 0.5):  # fmt: skip
+            out.append(issue(ctx, IssueType.FROZEN, WARN, lh.layer,
+                             f"gradient norm {lh.grad_norm:.3g} but every recorded update is "
+                             "exactly 0: the optimizer does not update this layer",
+                             grad_norm=lh.grad_norm))  # fmt: skip
+        trained_before = trained_before or (lh.grad_norm is not None and not lh.frozen)
+    return out
+
+
+# ------------------------------------------------------------------ per-window rules
+def _swing_severity(ctx: RuleContext, layer: str) -> Severity:
+    """Warning when the swings move the weights (largest update ratio of the window at
+    least ``turbulence_update``), info otherwise or without a recorded update."""
+    umax = ctx.facts.umax.get(layer)
+    return WARN if umax is not None and umax >= ctx.th.turbulence_update else INFO
+
+
+def _judged_window(ctx: RuleContext, lh: LayerHealth) -> dict[str, float] | None:
+    d = ctx.dynamics.get(lh.layer)
+    if d is None or d.get("rows", 0) < ctx.th.trend_min_rows or _has(lh, IssueType.EXPLODING):
+        return None
+    return d
+
+
+@rule("turbulent", scope="window", thresholds=("turbulence", "turbulence_update",
+                                               "trend_min_rows"))  # fmt: skip
+def turbulent(ctx: RuleContext) -> list[Issue]:
+    """TURBULENT: the grad norm's std/mean within a window above ``turbulence`` (1.0);
+    a warning only when the window's largest update ratio reaches ``turbulence_update``
+    (1e-2), else info; windows of fewer than ``trend_min_rows`` (10) steps are not judged.
+    Corpus: ``exploding_lr_100x`` (late windows); healthy: the demo (a converged run's
+    gradient is noise, std > mean, update ratio ~1e-3), HF BERT fine-tuning."""
+    out = []
+    for lh in ctx.layers:
+        d = _judged_window(ctx, lh)
+        cv = lh.grad_norm_cv
+        if d is not None and cv is not None and cv > ctx.th.turbulence:
+            out.append(issue(ctx, IssueType.TURBULENT, _swing_severity(ctx, lh.layer), lh.layer,
+                             f"gradient norm's std is {cv:.3g}x its mean within the window "
+                             f"(> {ctx.th.turbulence:g})", turbulence=cv,
+                             grad_norm=lh.grad_norm,
+                             max_update_ratio=ctx.facts.umax.get(lh.layer)))  # fmt: skip
+    return out
+
+
+@rule("pressure_spike", scope="window", thresholds=("pressure_spike", "turbulence_update",
+                                                    "trend_min_rows"))  # fmt: skip
+def pressure_spike(ctx: RuleContext) -> list[Issue]:
+    """PRESSURE_SPIKE: the largest per-step grad/param ratio of a window above
+    ``pressure_spike`` (10) times its median; warning / info as TURBULENT. Corpus:
+    ``exploding_lr_100x``; healthy: the demo, converged nets."""
+    out = []
+    for lh in ctx.layers:
+        d = _judged_window(ctx, lh)
+        if d is None:
+            continue
+        mp, rel = d.get("max_pressure", math.nan), lh.rel_grad
+        if np.isfinite(mp) and rel and mp > ctx.th.pressure_spike * rel:
+            out.append(issue(ctx, IssueType.PRESSURE_SPIKE, _swing_severity(ctx, lh.layer),
+                             lh.layer, f"max grad/param ratio {mp:.3g} is {mp / rel:.3g}x the "
+                             f"window's median ({rel:.3g})", max_pressure=mp, rel_grad=rel,
+                             max_update_ratio=ctx.facts.umax.get(lh.layer)))  # fmt: skip
+    return out
+
+
+def _rate(v: float) -> str:
+    """A growth rate ``d ln x / d step`` as the change per step it means."""
+    return f"{math.expm1(v):+.1%}" if abs(v) < 0.7 else f"×{math.exp(v):.3g}"
+
+
+@rule("accelerating", scope="window", thresholds=("accelerating_growth", "accelerating_t",
+                                                  "trend_min_rows"))  # fmt: skip
+def accelerating(ctx: RuleContext) -> list[Issue]:
+    """ACCELERATING (warning): a growing grad norm whose growth rate rises within the
+    window so much that at its end the norm grows ``accelerating_growth`` (10) times more
+    per window than at its start, curvature ≥ ``accelerating_t`` (3) standard errors.
+    Corpus: ``exploding_lr_100x`` before the blow-up; healthy: warm-up phases of HF runs."""
+    out = []
+    log_growth = math.log(ctx.th.accelerating_growth)
+    for lh in ctx.layers:
+        d = _judged_window(ctx, lh)
+        if d is None:
+            continue
+        a, v, span = d.get("acceleration", math.nan), d.get("velocity", math.nan), d["span"]
+        if (np.isfinite(a) and a > 0 and v > 0 and d.get("t_stat", 0) >= ctx.th.accelerating_t
+                and a * span * span >= log_growth):  # fmt: skip
+            v0, v1 = v - a * span / 2, v + a * span / 2
+            out.append(issue(ctx, IssueType.ACCELERATING, WARN, lh.layer,
+                             f"gradient norm accelerating: its growth rate rose from "
+                             f"{_rate(v0)} to {_rate(v1)} per step", velocity=v,
+                             acceleration=a, velocity_start=v0, velocity_end=v1,
+                             t_stat=d.get("t_stat")))  # fmt: skip
+    return out
+
+
+# ------------------------------------------------------------------ the driver
+def judge(ctx: RuleContext, only: Callable[[str], bool] | None = None) -> list[Issue]:
+    """Run every registered rule whose scope fits ``ctx`` (run or window) in registration
+    order; each layer's issues join its :class:`LayerHealth` at once, the others are
+    returned (run level)."""
+    by_layer = {lh.layer: lh for lh in ctx.layers}
+    run_issues: list[Issue] = []
+    want = "window" if ctx.window else "run"
+    for name, r in rules().items():
+        if r.scope not in (want, "both") or (only is not None and not only(name)):
+            continue
+        for i in r.fn(ctx):
+            (by_layer[i.layer].issues if i.layer in by_layer else run_issues).append(i)
+    return run_issues
+
+
+__all__ = ["RuleContext", "advice", "issue", "judge", "role_group"]
