@@ -72,8 +72,7 @@ class HealthThresholds(ArchitectureThresholds):
       recorded steps (the whole run when shorter); TURBULENT / PRESSURE_SPIKE /
       ACCELERATING are not judged on fewer.
     - ``accumulating_r2`` (0.9) / ``accumulating_growth`` (3) / ``accumulating_min_steps``
-      (8): ACCUMULATING_GRADIENTS (warning; critical when the update ratio is above
-      ``update_ratio_high``): the global gradient norm grows linearly with the step
+      (8): ACCUMULATING_GRAD (warning): the global gradient norm grows linearly with the step
       (least-squares R² of norm on step ≥ ``accumulating_r2``, last / first quarter ≥
       ``accumulating_growth``, over ≥ ``accumulating_min_steps`` steps) while the loss
       does not rise — gradients summed over steps (``zero_grad`` forgotten).

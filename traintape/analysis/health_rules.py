@@ -98,6 +98,29 @@ def grad_growth(lh: LayerHealth) -> float | None:
     return lh.grad_growth if lh.lora is None else lh.lora.grad_growth
 
 
+def _top(ctx: RuleContext, measure: Callable[[LayerHealth], float | None]) -> dict[str, float]:
+    """The largest positive finite ``measure`` per role group."""
+    top: dict[str, float] = {}
+    for lh in ctx.layers:
+        v = measure(lh)
+        if v is not None and v > 0 and np.isfinite(v):
+            g = role_group(lh, ctx.run.roles)
+            top[g] = max(v, top.get(g, 0.0))
+    return top
+
+
+def learns(lh: LayerHealth, ctx: RuleContext, top_update: dict[str, float], frac: float) -> bool:
+    """Whether ``lh``'s recorded update ratio is at least ``frac`` of the largest of its
+    role: the layer learns at a normal pace whatever its gradient's size (an adaptive
+    optimizer — Adam — rescales small gradients; corpus ``bert_from_init``: encoder
+    gradients 1e-4 of the head's, update ratios alike). False without a recorded update
+    (then the gradient alone is judged); under plain SGD the update ratio is ``lr·rel_grad``
+    and both agree."""
+    u = update_ratio(lh)
+    best = top_update.get(role_group(lh, ctx.run.roles))
+    return u is not None and best is not None and u >= frac * best
+
+
 def _has(lh: LayerHealth, t: IssueType) -> bool:
     return any(i.type == t for i in lh.issues)
 
@@ -149,10 +172,10 @@ _FIXED: dict[IssueType, str] = {
     "connections or normalisation, or use per-layer learning rates",
     IssueType.ATTENTION_QKV_IMBALANCE: "q/k/v projections get very different gradients: "
     "check the attention scaling (1/sqrt(d)), initialisation of q/k, and QK-normalisation",
-    IssueType.ACCUMULATING_GRADIENTS: "gradients add up from step to step: call "
+    IssueType.ACCUMULATING_GRAD: "gradients add up from step to step: call "
     "optimizer.zero_grad() (or set_to_none) every step — or, when accumulating on purpose, "
     "step the optimizer and zero the gradients every N micro-batches and divide the loss by N",
-    IssueType.FROZEN: "this layer's weights never change: check that its parameters are in "
+    IssueType.NOT_UPDATED: "this layer's weights never change: check that its parameters are in "
     "the optimizer's parameter groups and have requires_grad=True (or that freezing it "
     "is intended)",
 }
@@ -275,8 +298,11 @@ def vanishing(ctx: RuleContext) -> list[Issue]:
             g = role_group(lh, roles)
             top[g] = max(r, top.get(g, 0.0))
     early = ctx.run.steps < th.early_steps and not ctx.window
+    top_upd = _top(ctx, update_ratio)
     out = []
     for lh in ctx.layers:
+        if learns(lh, ctx, top_upd, th.vanishing_rel):
+            continue
         if (lh.grad_norm is None or _has(lh, IssueType.DEAD)
                 or ctx.facts.nonfinite.get(lh.layer, 0.0) > 0):  # fmt: skip
             continue
@@ -348,6 +374,9 @@ def decay_with_depth(ctx: RuleContext) -> list[Issue]:
         if len(with_rel) < 3:
             continue
         (first, r0), (last, r1) = with_rel[0], with_rel[-1]
+        u0, u1 = update_ratio(first), update_ratio(last)
+        if u0 is not None and u1 is not None and u0 > 0 and u1 / u0 <= ctx.th.decay_ratio:
+            continue  # the first layer still learns as fast: an adaptive optimizer
         if r1 / r0 > ctx.th.decay_ratio:
             out.append(issue(ctx, IssueType.DECAY_WITH_DEPTH, WARN, None,
                              f"{_what(grp)}relative gradient falls {r1 / r0:.3g}x from "
@@ -389,6 +418,9 @@ def qkv_imbalance(ctx: RuleContext) -> list[Issue]:
     for parent, group in qkv_groups(by_layer).items():
         gn = {s: by_layer[layer].grad_norm for s, layer in group.items()}
         vals = [v for v in gn.values() if v is not None and v > 0]
+        ups = [u for x in group.values() if (u := update_ratio(by_layer[x])) is not None and u > 0]
+        if len(ups) == len(group) >= 2 and max(ups) / min(ups) <= ctx.th.qkv_ratio:
+            continue  # q, k and v learn at a like pace (an adaptive optimizer)
         if len(vals) >= 2 and max(vals) / min(vals) > ctx.th.qkv_ratio:
             out.append(issue(ctx, IssueType.ATTENTION_QKV_IMBALANCE, INFO if early else WARN,
                              parent, f"q/k/v gradient norms differ {max(vals) / min(vals):.3g}x",
@@ -417,7 +449,7 @@ def _quarters(y: np.ndarray) -> float:
 @rule("accumulating_gradients", scope="run",
       thresholds=("accumulating_r2", "accumulating_growth", "accumulating_min_steps"))  # fmt: skip
 def accumulating_gradients(ctx: RuleContext) -> list[Issue]:
-    """ACCUMULATING_GRADIENTS (warning, run level): ``zero_grad`` forgotten — the
+    """ACCUMULATING_GRAD (warning, run level): ``zero_grad`` forgotten — the
     recorded gradient is the sum of every step's so far, so the global grad norm grows
     linearly with the step: R² of a line ≥ ``accumulating_r2`` (0.9), last / first quarter
     ≥ ``accumulating_growth`` (3), over ≥ ``accumulating_min_steps`` (8) steps, while the
@@ -444,7 +476,7 @@ def accumulating_gradients(ctx: RuleContext) -> list[Issue]:
         ratio = ratio[np.isfinite(ratio)]
         if len(ratio) >= th.accumulating_min_steps and _quarters(ratio) < th.accumulating_growth:
             return []  # the loss rose with the gradient: divergence, not accumulation
-    return [issue(ctx, IssueType.ACCUMULATING_GRADIENTS, WARN, None,
+    return [issue(ctx, IssueType.ACCUMULATING_GRAD, WARN, None,
                   f"the global gradient norm grows linearly with the step (R² {r2:.2f}, "
                   f"{growth:.3g}x from the first to the last quarter): gradients are "
                   "summed over steps, not reset", r2=r2, growth=growth, slope_per_step=slope,
@@ -453,7 +485,7 @@ def accumulating_gradients(ctx: RuleContext) -> list[Issue]:
 
 @rule("frozen_by_mistake", scope="run")
 def frozen_by_mistake(ctx: RuleContext) -> list[Issue]:
-    """FROZEN (warning): a layer the optimizer does not train although it should —
+    """NOT_UPDATED (warning): a layer the optimizer does not train although it should —
     (a) it gets a non-zero gradient at most steps but every recorded update is exactly
     zero (its parameters are missing from the optimizer, or its learning rate is 0), or
     (b) in a run without LoRA adapters, no gradient is recorded for it
@@ -467,12 +499,12 @@ def frozen_by_mistake(ctx: RuleContext) -> list[Issue]:
     order = ctx.run.order
     for lh in sorted(ctx.layers, key=lambda x: order.get(x.layer, x.depth)):
         if lh.frozen and not lora and trained_before:
-            out.append(issue(ctx, IssueType.FROZEN, WARN, lh.layer,
+            out.append(issue(ctx, IssueType.NOT_UPDATED, WARN, lh.layer,
                              "no gradient recorded (requires_grad=False) although earlier "
                              "layers train"))  # fmt: skip
         elif (ctx.facts.update_zero.get(lh.layer) and lh.grad_norm
               and ctx.facts.zero_steps.get(lh.layer, 0.0) < 0.5):  # fmt: skip
-            out.append(issue(ctx, IssueType.FROZEN, WARN, lh.layer,
+            out.append(issue(ctx, IssueType.NOT_UPDATED, WARN, lh.layer,
                              f"gradient norm {lh.grad_norm:.3g} but every recorded update is "
                              "exactly 0: the optimizer does not update this layer",
                              grad_norm=lh.grad_norm))  # fmt: skip
