@@ -627,6 +627,7 @@ def _head_balance(
             continue
         norms: dict[str, list[float]] = {}
         ratios: dict[str, float | None] = {}
+        raw: dict[str, float] = {}  # max/min, inf where a head's gradient is exactly 0
         for p in "qkvo":
             if p not in proj:
                 continue
@@ -642,16 +643,19 @@ def _head_balance(
             per = np.sqrt(acc / len(steps))
             norms[p] = [float(v) for v in per]
             ratios[p] = finite_float(per.max() / per.min()) if per.min() > 0 else None
+            if per.max() > 0:
+                raw[p] = float(per.max() / per.min()) if per.min() > 0 else math.inf
         rep.heads.append(HeadBalance(attention=attn, heads=h, heads_source=source, steps=steps,
                                      grad_norm=norms, ratio=ratios))  # fmt: skip
-        worst = max(((p, r) for p, r in ratios.items() if r is not None), key=lambda t: t[1],
-                    default=None)  # fmt: skip
+        worst = max(raw.items(), key=lambda t: t[1], default=None)
         if worst is not None and worst[1] > th.head_ratio:
             p, r = worst
             weakest = int(np.argmin(norms[p]))
+            differ = (f"differ {r:.3g}x" if math.isfinite(r)
+                      else "differ: one is exactly 0, a head that never learns")  # fmt: skip
             rep.issues.append(_issue(
                 "ATTENTION_HEAD_IMBALANCE", "warning", attn,
-                f"{p} gradient norms of its {h} heads differ {r:.3g}x (weakest: head {weakest})",
+                f"{p} gradient norms of its {h} heads {differ} (weakest: head {weakest})",
                 projection=p, ratio=r, weakest_head=weakest, heads=h, heads_source=source,
                 head_grad_norms=norms[p], steps=steps,
             ))  # fmt: skip

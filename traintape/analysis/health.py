@@ -75,6 +75,7 @@ from traintape.analysis._common import (
     ProgressCallback,
     Reducer,
     StatsCache,
+    TensorSeries,
     Tracker,
     _quiet,
     column_median,
@@ -215,11 +216,25 @@ def _ratio_reduce(
     return out
 
 
+RUNNING_ROLES = ("running_mean", "running_var")
+
+
+def running_stat_tensors(run: Run) -> list[str]:
+    """The normalisation layers' running statistics recorded as ``param`` (BatchNorm's
+    ``running_mean`` / ``running_var``)."""
+    if Kind.PARAM not in set(run.kinds()):
+        return []
+    return [s.name for s in run.manifest.specs(Kind.PARAM) if s.role in RUNNING_ROLES]
+
+
 def want_health(run: Run, cache: StatsCache) -> None:
     """Declare the stats :func:`health` reads (so a report loads them in one pass)."""
     for kind in (Kind.GRAD, Kind.PARAM, Kind.UPDATE):
         cache.want(kind, "l2", "norm")
     cache.want_reducer(("grad_totals",), GradTotals())
+    running = running_stat_tensors(run)
+    if running:
+        cache.want_reducer(("running_stats",), TensorSeries(Kind.PARAM, running, ("l2", "mean")))
     for stat, how in _ACT_SERIES:
         cache.want(Kind.ACTIVATION, stat, how)
 
@@ -247,6 +262,8 @@ class _Series:
     layers: list[str]
     frozen: set[str] = field(default_factory=set)
     lora: dict[str, _LoraFactor] = field(default_factory=dict)
+    running: dict[str, np.ndarray] = field(default_factory=dict)
+    """Per normalisation layer, its running statistics' ``[rows, tensor, (l2, mean)]``."""
 
 
 @dataclass
@@ -305,8 +322,16 @@ def _load_series(run: Run, cache: StatsCache) -> _Series:
     graded = set(g_layers)
     frozen = {x for x in p_layers if x not in graded} if graded else set()
     lora = _lora_factors(run, p_layers, p) if p is not None else {}
+    running: dict[str, np.ndarray] = {}
+    names = running_stat_tensors(run)
+    if names:
+        vals = cache.result(("running_stats",))
+        for c, name in enumerate(names):
+            layer = layer_of(name)
+            running[layer] = (np.concatenate([running[layer], vals[:, c : c + 1]], axis=1)
+                              if layer in running else vals[:, c : c + 1])  # fmt: skip
     return _Series(steps, g_layers, g, p_layers, p, u_layers, u, a_layers, act, layers,
-                   frozen, lora)  # fmt: skip
+                   frozen, lora, running)  # fmt: skip
 
 
 GradTotalsRow = tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -349,12 +374,18 @@ def _measure(
     ucol = {x: i for i, x in enumerate(s.u_layers)}
     lora = _lora_measures(s, g, p, u)
     _update_facts(facts, s, u, p)
+    for layer, vals in s.running.items():
+        v = vals[rows]
+        v = v[np.isfinite(v).all(axis=(1, 2))]
+        if len(v) >= 3:
+            facts.running_frozen[layer] = bool((v == v[0]).all())
     if g.shape[1]:
         with _quiet(), np.errstate(all="ignore"):
             gg = np.asarray(g, np.float64)
             tot = np.sqrt(np.nansum(gg * gg, axis=1))
             tot[np.isnan(gg).all(axis=1)] = np.nan
         facts.global_grad = tot.tolist()
+        facts.grad_series = {x: gg[:, c] for c, x in enumerate(s.g_layers)}
         facts.grad_steps = np.asarray(s.steps[rows]).tolist()
     out: list[LayerHealth] = []
     for depth, layer in enumerate(s.layers):

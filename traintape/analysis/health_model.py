@@ -5,6 +5,7 @@ measuring in :mod:`~traintape.analysis.health`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pydantic import BaseModel, Field
 
@@ -71,11 +72,18 @@ class HealthThresholds(ArchitectureThresholds):
     - ``trend_min_rows`` (10): windows of health over time hold at least this many
       recorded steps (the whole run when shorter); TURBULENT / PRESSURE_SPIKE /
       ACCELERATING are not judged on fewer.
-    - ``accumulating_r2`` (0.9) / ``accumulating_growth`` (3) / ``accumulating_min_steps``
-      (8): ACCUMULATING_GRAD (warning): the global gradient norm grows linearly with the step
-      (least-squares R² of norm on step ≥ ``accumulating_r2``, last / first quarter ≥
-      ``accumulating_growth``, over ≥ ``accumulating_min_steps`` steps) while the loss
-      does not rise — gradients summed over steps (``zero_grad`` forgotten).
+    - ``accumulating_growth`` (3) / ``accumulating_jitter`` (0.02) /
+      ``accumulating_min_steps`` (8): ACCUMULATING_GRAD (warning): a layer's grad norm
+      grows that many times from the first to the last quarter of the run while changing
+      less than ``accumulating_jitter`` of itself from step to step — gradients summed
+      over steps (``zero_grad`` forgotten, or parameters outside the optimizer).
+    - ``lr_small_ratio`` (1e-5) / ``lr_small_loss_drop`` (0.05): LR_TOO_SMALL (warning):
+      the median over trained layers of the median update/param ratio is below
+      ``lr_small_ratio`` and the loss fell by less than ``lr_small_loss_drop`` (relative)
+      from the first to the last quarter of the run (or is not logged).
+    - NORM_STATS_FROZEN (warning, no threshold): a normalisation layer's recorded running
+      statistics never change over ≥ 3 recorded steps while its scale trains (BatchNorm
+      in ``eval()`` mode during training).
     - ``clip_capped_frac`` (0.2): the run clips gradients when it logs
       ``grad/clip_factor`` below 1 at some step, or when its global gradient norm sits at
       its maximum (within 0.1%) at this fraction of steps (an adapter that records the
@@ -102,10 +110,12 @@ class HealthThresholds(ArchitectureThresholds):
     early_steps: int = 20
     turbulence_update: float = 1e-2
     trend_min_rows: int = 10
-    accumulating_r2: float = 0.9
     accumulating_growth: float = 3.0
+    accumulating_jitter: float = 0.02
     accumulating_min_steps: int = 8
     clip_capped_frac: float = 0.2
+    lr_small_ratio: float = 1e-5
+    lr_small_loss_drop: float = 0.05
     critical_penalty: float = 60.0
     warning_penalty: float = 25.0
 
@@ -225,3 +235,7 @@ class LayerFacts:
     update_zero: dict[str, bool] = field(default_factory=dict)
     global_grad: list[float] = field(default_factory=list)
     grad_steps: list[int] = field(default_factory=list)
+    running_frozen: dict[str, bool] = field(default_factory=dict)
+    """Per normalisation layer with recorded running statistics: whether they never change."""
+    grad_series: dict[str, Any] = field(default_factory=dict)
+    """Each layer's grad norm per row ``[rows]`` (numpy), for rules that read the series."""

@@ -175,6 +175,12 @@ _FIXED: dict[IssueType, str] = {
     IssueType.ACCUMULATING_GRAD: "gradients add up from step to step: call "
     "optimizer.zero_grad() (or set_to_none) every step — or, when accumulating on purpose, "
     "step the optimizer and zero the gradients every N micro-batches and divide the loss by N",
+    IssueType.LR_TOO_SMALL: "the weights barely move and the loss does not fall: raise the "
+    "learning rate (by 10x steps; check the schedule's warm-up and its peak value, and that "
+    "the optimizer got the intended lr)",
+    IssueType.NORM_STATS_FROZEN: "the normalisation layer's running statistics never update: "
+    "the model is trained in eval() mode — call model.train() after each evaluation (or "
+    "pass training=True / use_running_average=False while training)",
     IssueType.NOT_UPDATED: "this layer's weights never change: check that its parameters are in "
     "the optimizer's parameter groups and have requires_grad=True (or that freezing it "
     "is intended)",
@@ -428,59 +434,50 @@ def qkv_imbalance(ctx: RuleContext) -> list[Issue]:
     return out
 
 
-def linear_fit_r2(t: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-    """``(slope, R²)`` of the least-squares line ``y ≈ a + b·t`` (NaN with < 3 values)."""
-    m = np.isfinite(y)
-    t, y = np.asarray(t, np.float64)[m], np.asarray(y, np.float64)[m]
-    if len(y) < 3 or np.ptp(t) == 0:
+def accumulation_signature(g: np.ndarray) -> tuple[float, float]:
+    """``(growth, jitter)`` of a gradient-norm series ``g [rows]`` (finite positive
+    values only): last-quarter / first-quarter median, and the median over the rows
+    after the first quarter of ``|‖g_t‖ − ‖g_{t−1}‖| / ‖g_t‖``. A summed gradient
+    ``S_t = S_{t−1} + δ_t`` changes by one step's gradient while its norm grows with t, so
+    its jitter falls like 1/t; a per-step minibatch gradient's norm jumps 10-70% between
+    steps (NaN with fewer than 8 values)."""
+    g = np.asarray(g, np.float64)
+    g = g[np.isfinite(g) & (g > 0)]
+    if len(g) < 8:
         return math.nan, math.nan
-    b, a = np.polyfit(t, y, 1)
-    ss = float(((y - y.mean()) ** 2).sum())
-    r2 = 1.0 - float(((y - (a + b * t)) ** 2).sum()) / ss if ss > 0 else math.nan
-    return float(b), r2
-
-
-def _quarters(y: np.ndarray) -> float:
-    q = max(1, len(y) // 4)
-    first, last = float(np.median(y[:q])), float(np.median(y[-q:]))
-    return last / first if first > 0 else math.nan
+    q = max(1, len(g) // 4)
+    growth = float(np.median(g[-q:]) / np.median(g[:q]))
+    jitter = float(np.median((np.abs(np.diff(g)) / g[1:])[q - 1 :]))
+    return growth, jitter
 
 
 @rule("accumulating_gradients", scope="run",
-      thresholds=("accumulating_r2", "accumulating_growth", "accumulating_min_steps"))  # fmt: skip
+      thresholds=("accumulating_growth", "accumulating_jitter", "accumulating_min_steps"))  # fmt: skip
 def accumulating_gradients(ctx: RuleContext) -> list[Issue]:
-    """ACCUMULATING_GRAD (warning, run level): ``zero_grad`` forgotten — the
-    recorded gradient is the sum of every step's so far, so the global grad norm grows
-    linearly with the step: R² of a line ≥ ``accumulating_r2`` (0.9), last / first quarter
-    ≥ ``accumulating_growth`` (3), over ≥ ``accumulating_min_steps`` (8) steps, while the
-    loss does not rise (grad norm / loss grows by the same factor: a diverging loss
-    explains a growing gradient, that is EXPLODING). Corpus: ``zero_grad_forgotten``
-    (torch, SGD and Adam); healthy: every corpus training (grad norms fall or wander,
-    R² < 0.5), including LM training whose grad norm rises slowly late in the run."""
-    th = ctx.th
-    g = np.asarray(ctx.facts.global_grad, np.float64)
-    t = np.asarray(ctx.facts.grad_steps, np.float64)
-    fin = np.isfinite(g) & (g > 0)
-    g, t = g[fin], t[fin]
-    if len(g) < th.accumulating_min_steps:
-        return []
-    slope, r2 = linear_fit_r2(t, g)
-    growth = _quarters(g)
-    if not (slope > 0 and r2 >= th.accumulating_r2 and growth >= th.accumulating_growth):
-        return []
-    loss = None if ctx.run.loss is None else np.asarray(ctx.run.loss, np.float64)[fin]
-    if loss is not None and np.isfinite(loss).sum() >= th.accumulating_min_steps:
-        lf = np.where(np.isfinite(loss) & (loss > 0), loss, np.nan)
-        with np.errstate(all="ignore"):
-            ratio = g / lf
-        ratio = ratio[np.isfinite(ratio)]
-        if len(ratio) >= th.accumulating_min_steps and _quarters(ratio) < th.accumulating_growth:
-            return []  # the loss rose with the gradient: divergence, not accumulation
-    return [issue(ctx, IssueType.ACCUMULATING_GRAD, WARN, None,
-                  f"the global gradient norm grows linearly with the step (R² {r2:.2f}, "
-                  f"{growth:.3g}x from the first to the last quarter): gradients are "
-                  "summed over steps, not reset", r2=r2, growth=growth, slope_per_step=slope,
-                  layers=[lh.layer for lh in ctx.layers if lh.grad_norm is not None])]  # fmt: skip
+    """ACCUMULATING_GRAD (warning): gradients summed over steps instead of reset — the
+    layer's grad norm grows ``accumulating_growth`` (3) times or more from the first to
+    the last quarter of the run while changing from step to step by less than
+    ``accumulating_jitter`` (2%) of itself (median; :func:`accumulation_signature`), over
+    ``accumulating_min_steps`` (8) steps or more. Causes: ``opt.zero_grad()`` forgotten,
+    or parameters left out of the optimizer (``opt.zero_grad()`` resets only its own).
+    Corpus: ``zero_grad_forgotten`` (jitter 5e-4, growth 29x),
+    ``frozen_left_out_of_optimizer`` (layer 2: jitter 7e-3, growth 12x); healthy: every
+    corpus training has jitter ≥ 0.04 (GPT-2 via HF Trainer, the lowest) or a falling
+    norm; a diverging run's norm grows but jumps (jitter ≈ 1: ``exploding_lr``). Not
+    separable by this rule: full-batch training whose gradient grows smoothly 3x."""
+    th, out = ctx.th, []
+    series = ctx.facts.grad_series
+    for lh in ctx.layers:
+        x = series.get(lh.layer)
+        if x is None or np.isfinite(x).sum() < th.accumulating_min_steps:
+            continue
+        growth, jitter = accumulation_signature(x)
+        if growth >= th.accumulating_growth and jitter < th.accumulating_jitter:
+            out.append(issue(ctx, IssueType.ACCUMULATING_GRAD, WARN, lh.layer,
+                             f"gradient norm grows {growth:.3g}x over {ctx.span} but changes "
+                             f"only {jitter:.2%} from step to step: gradients are summed over "
+                             "steps, not reset", growth=growth, jitter=jitter))  # fmt: skip
+    return out
 
 
 @rule("frozen_by_mistake", scope="run")
@@ -509,6 +506,54 @@ def frozen_by_mistake(ctx: RuleContext) -> list[Issue]:
                              "exactly 0: the optimizer does not update this layer",
                              grad_norm=lh.grad_norm))  # fmt: skip
         trained_before = trained_before or (lh.grad_norm is not None and not lh.frozen)
+    return out
+
+
+@rule("lr_too_small", scope="run", thresholds=("lr_small_ratio", "lr_small_loss_drop"))
+def lr_too_small(ctx: RuleContext) -> list[Issue]:
+    """LR_TOO_SMALL (warning, run level): the median over trained layers of their median
+    update/param ratio is below ``lr_small_ratio`` (1e-5) and the loss fell by less than
+    ``lr_small_loss_drop`` (5%, relative) from the first to the last quarter of the run
+    (or no loss is logged). Corpus: ``lr_too_small`` (Adam lr 3e-7: 2.4e-6, loss flat);
+    healthy: the lowest median of the healthy corpus is 6.8e-5 (``mha_classifier``,
+    AdamW 1e-3 with clipping), fine-tuning BERT 4e-3."""
+    th = ctx.th
+    ups = [u for lh in ctx.layers if lh.grad_norm is not None and not lh.frozen
+           and (u := update_ratio(lh)) is not None and u > 0]  # fmt: skip
+    if not ups:
+        return []
+    med = float(np.median(ups))
+    if med >= th.lr_small_ratio:
+        return []
+    drop = None
+    if ctx.run.loss is not None:
+        loss = np.asarray(ctx.run.loss, np.float64)
+        loss = loss[np.isfinite(loss)]
+        if len(loss) >= 4:
+            q = max(1, len(loss) // 4)
+            first, last = float(np.median(loss[:q])), float(np.median(loss[-q:]))
+            drop = (first - last) / abs(first) if first else 0.0
+            if drop >= th.lr_small_loss_drop:
+                return []
+    return [issue(ctx, IssueType.LR_TOO_SMALL, WARN, None,
+                  f"median update/param ratio {med:.3g} (< {th.lr_small_ratio:g})"
+                  + ("" if drop is None else f" and the loss fell only {drop:.1%}"),
+                  median_update_ratio=med, loss_drop=drop)]  # fmt: skip
+
+
+@rule("norm_stats_frozen", scope="run")
+def norm_stats_frozen(ctx: RuleContext) -> list[Issue]:
+    """NORM_STATS_FROZEN (warning): a normalisation layer whose recorded running
+    statistics (BatchNorm ``running_mean``/``running_var``) never change over the run
+    while the layer itself trains (a gradient is recorded). No threshold: in training
+    mode every forward pass moves them. Corpus: ``batchnorm_eval``; healthy:
+    ``cnn_bn_sgd`` (they move every step)."""
+    out = []
+    for lh in ctx.layers:
+        if ctx.facts.running_frozen.get(lh.layer) and lh.grad_norm is not None:
+            out.append(issue(ctx, IssueType.NORM_STATS_FROZEN, WARN, lh.layer,
+                             "running statistics never change while the layer trains: "
+                             "trained in eval mode"))  # fmt: skip
     return out
 
 
