@@ -81,6 +81,12 @@ class HealthThresholds(ArchitectureThresholds):
       the median over trained layers of the median update/param ratio is below
       ``lr_small_ratio`` and the loss fell by less than ``lr_small_loss_drop`` (relative)
       from the first to the last quarter of the run (or is not logged).
+    - ``periodic_acf`` (0.5) / ``periodic_amplitude`` (1.0): PERIODIC_LOSS: the loss's
+      step-to-step changes repeat with a period P (autocorrelation at lag P ≥
+      ``periodic_acf``, ≥ 3 periods): warning when the loss's mean by position in the
+      period varies at least ``periodic_amplitude`` times as much as the loss at one
+      position varies between periods (the data order drives the loss: data not
+      shuffled), info otherwise (a fixed batch order).
     - NORM_STATS_FROZEN (warning, no threshold): a normalisation layer's recorded running
       statistics never change over ≥ 3 recorded steps while its scale trains (BatchNorm
       in ``eval()`` mode during training).
@@ -114,6 +120,8 @@ class HealthThresholds(ArchitectureThresholds):
     accumulating_jitter: float = 0.02
     accumulating_min_steps: int = 8
     clip_capped_frac: float = 0.2
+    periodic_acf: float = 0.5
+    periodic_amplitude: float = 1.0
     lr_small_ratio: float = 1e-5
     lr_small_loss_drop: float = 0.05
     critical_penalty: float = 60.0
