@@ -516,8 +516,9 @@ def _clipping(
 
 def _adaptive(run: Run, s: _Series) -> bool | None:
     """Whether the optimizer keeps a second moment: an ``opt_state`` tensor ``*/nu``
-    (Adam-like: True; opt_state without one: False); without opt_state, an SGD-like
-    update (``‖u‖/‖g‖`` the same for every layer within 10%) gives False; else None."""
+    (Adam-like: True; opt_state without one: False); without opt_state, the median
+    ``‖u‖/‖g‖`` per layer: the same for every layer within 10% (``u = −lr·g``: SGD) gives
+    False, spread over more than 10x (per-parameter step sizes) True; else None."""
     try:
         names = run.tensor_names(Kind.OPT_STATE)
     except Exception:
@@ -537,6 +538,8 @@ def _adaptive(run: Run, s: _Series) -> bool | None:
     r = r[np.isfinite(r) & (r > 0)]
     if len(r) >= 2 and r.max() / r.min() < 1.1:
         return False
+    if len(r) >= 2 and r.max() / r.min() > 10:
+        return True  # per-parameter step sizes: ‖u‖ no longer follows ‖g‖
     return None
 
 
@@ -572,6 +575,7 @@ def run_context(run: Run, s: _Series, facts: LayerFacts, th: HealthThresholds) -
         "bounded_activations": bounded, "steps": len(s.steps),
         "loss": None if loss is None else loss.tolist(), "roles": _roles(run, s.layers),
         "order": {x: tensor_rank(rank, x + "/_") for x in s.layers},
+        "loss_is_epoch_mean": "keras" in (run.manifest.producer.adapter or ""),
     }  # fmt: skip
 
 
@@ -640,6 +644,8 @@ def health(
     return HealthReport(url=run.url, steps=len(s.steps), layers=out, run_issues=run_issues,
                         thresholds=th, score=score, status=status, checks=user,
                         frozen=[x for x in s.layers if x in s.frozen],
+                        clipping=ctx.clipping, clip_frac=ctx.clip_frac,
+                        adaptive_optimizer=ctx.adaptive,
                         architecture=arch)  # fmt: skip
 
 

@@ -72,7 +72,7 @@ class HealthThresholds(ArchitectureThresholds):
     - ``trend_min_rows`` (10): windows of health over time hold at least this many
       recorded steps (the whole run when shorter); TURBULENT / PRESSURE_SPIKE /
       ACCELERATING are not judged on fewer.
-    - ``accumulating_growth`` (3) / ``accumulating_jitter`` (0.02) /
+    - ``accumulating_growth`` (3) / ``accumulating_jitter`` (0.05) /
       ``accumulating_min_steps`` (8): ACCUMULATING_GRAD (warning): a layer's grad norm
       grows that many times from the first to the last quarter of the run while changing
       less than ``accumulating_jitter`` of itself from step to step — gradients summed
@@ -81,12 +81,13 @@ class HealthThresholds(ArchitectureThresholds):
       the median over trained layers of the median update/param ratio is below
       ``lr_small_ratio`` and the loss fell by less than ``lr_small_loss_drop`` (relative)
       from the first to the last quarter of the run (or is not logged).
-    - ``periodic_acf`` (0.5) / ``periodic_amplitude`` (1.0): PERIODIC_LOSS: the loss's
+    - ``periodic_acf`` (0.5) / ``periodic_smooth`` (0.5): PERIODIC_LOSS: the log-loss's
       step-to-step changes repeat with a period P (autocorrelation at lag P ≥
-      ``periodic_acf``, ≥ 3 periods): warning when the loss's mean by position in the
-      period varies at least ``periodic_amplitude`` times as much as the loss at one
-      position varies between periods (the data order drives the loss: data not
-      shuffled), info otherwise (a fixed batch order).
+      ``periodic_acf``, ≥ 3 periods): the loss follows the data order. A warning when
+      the loss profile over one period is smooth (lag-1 autocorrelation ≥
+      ``periodic_smooth``: the data is read in sorted stretches), info otherwise (a
+      fixed batch order). A Keras loss (a running mean over the epoch) is turned into
+      per-batch losses first.
     - NORM_STATS_FROZEN (warning, no threshold): a normalisation layer's recorded running
       statistics never change over ≥ 3 recorded steps while its scale trains (BatchNorm
       in ``eval()`` mode during training).
@@ -117,11 +118,11 @@ class HealthThresholds(ArchitectureThresholds):
     turbulence_update: float = 1e-2
     trend_min_rows: int = 10
     accumulating_growth: float = 3.0
-    accumulating_jitter: float = 0.02
+    accumulating_jitter: float = 0.05
     accumulating_min_steps: int = 8
     clip_capped_frac: float = 0.2
     periodic_acf: float = 0.5
-    periodic_amplitude: float = 1.0
+    periodic_smooth: float = 0.5
     lr_small_ratio: float = 1e-5
     lr_small_loss_drop: float = 0.05
     critical_penalty: float = 60.0
@@ -184,6 +185,15 @@ class HealthReport(BaseModel):
         description="registered user checks (traintape.analysis.registry); their issues "
         "count towards status, not score",
     )
+    clipping: str | None = Field(
+        None,
+        description="gradient clipping seen: 'metric' (grad/clip_factor < 1), "
+        "'capped' (the global grad norm sits at its maximum), None: not seen",
+    )
+    clip_frac: float = Field(0.0, description="fraction of steps clipped")
+    adaptive_optimizer: bool | None = Field(
+        None, description="the optimizer keeps a second moment (Adam-like); None: unknown"
+    )
 
     def issues(self) -> list[Issue]:
         """All issues, run-level first then per layer in forward order."""
@@ -222,6 +232,8 @@ class RunContext:
     bounded_activations: bool | None = None
     steps: int = 0
     loss: list[float] | None = None
+    loss_is_epoch_mean: bool = False
+    """The logged loss is a running mean over the epoch (Keras's ``logs``)."""
     roles: dict[str, str] = field(default_factory=dict)
     order: dict[str, int] = field(default_factory=dict)
     """Each layer's position in forward order."""

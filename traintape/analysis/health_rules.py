@@ -202,7 +202,8 @@ def issue(
 @rule("nonfinite_gradients")
 def nonfinite_gradients(ctx: RuleContext) -> list[Issue]:
     """EXPLODING (critical): a layer with NaN/Inf gradient values. No threshold: any
-    non-finite gradient is an error (corpus: ``loss_nan_at_step``)."""
+    non-finite gradient is an error. Corpus: ``loss_nan`` (a NaN feature at step 60),
+    ``exploding_lr`` (overflow)."""
     out = []
     for lh in ctx.layers:
         n = ctx.facts.nonfinite.get(lh.layer, 0.0)
@@ -215,7 +216,7 @@ def nonfinite_gradients(ctx: RuleContext) -> list[Issue]:
 @rule("gradient_norm_limit", thresholds=("exploding_norm",))
 def gradient_norm_limit(ctx: RuleContext) -> list[Issue]:
     """EXPLODING (critical): median or max gradient norm above ``exploding_norm`` (1e3).
-    Corpus: ``exploding_lr_100x`` fires it; healthy trainings' largest layer grad norms
+    Corpus: ``exploding_lr`` fires it; healthy trainings' largest layer grad norms
     (HF BERT/GPT-2 from config, fine-tuning, the demo) stay below 1e2."""
     out = []
     for lh in ctx.layers:
@@ -233,7 +234,7 @@ def gradient_norm_limit(ctx: RuleContext) -> list[Issue]:
 def update_ratio_limit(ctx: RuleContext) -> list[Issue]:
     """EXPLODING (critical): median update/param ratio (a LoRA factor: its effective
     ratio) above ``update_ratio_high`` (0.1: every step rewrites 10% of the weights).
-    Corpus: ``exploding_lr_100x``; healthy Adam trainings at lr ≤ 1e-3 stay below 1e-2."""
+    Corpus: ``exploding_lr``; healthy Adam trainings at lr ≤ 1e-3 stay below 1e-2."""
     out = []
     for lh in ctx.layers:
         ratio = update_ratio(lh)
@@ -251,8 +252,8 @@ def update_ratio_limit(ctx: RuleContext) -> list[Issue]:
 @rule("gradient_growth", thresholds=("exploding_growth",))
 def gradient_growth(ctx: RuleContext) -> list[Issue]:
     """EXPLODING (warning): the grad norm grew more than ``exploding_growth`` (100x) from
-    the first to the last quarter of the span. Corpus: ``exploding_lr_100x`` (when the
-    norm has not yet crossed ``exploding_norm``)."""
+    the first to the last quarter of the span. Corpus: ``exploding_lr`` (when the norm has
+    not yet crossed ``exploding_norm``); healthy: every corpus training (growth < 2)."""
     out = []
     for lh in ctx.layers:
         g = grad_growth(lh)
@@ -268,7 +269,7 @@ def gradient_growth(ctx: RuleContext) -> list[Issue]:
 def dead(ctx: RuleContext) -> list[Issue]:
     """DEAD (critical): an activation zero for ``dead_zero_frac`` (99%) of values, or
     gradients exactly zero at ``dead_steps_frac`` (90%) of steps (a frozen layer — no
-    gradient recorded — is not dead). Corpus: ``dead_relu`` (bias −10 before a ReLU);
+    gradient recorded — is not dead). Corpus: ``dead_relu``, ``dead_relu_keras`` (bias −10 before a ReLU);
     healthy ReLU nets (the demo, converged MLPs) stay below 60% zeros."""
     out = []
     th = ctx.th
@@ -296,7 +297,8 @@ def vanishing(ctx: RuleContext) -> list[Issue]:
     ``vanishing_rel_critical`` (1e-3; critical) of the largest one *of its role*
     (:func:`role_group`). In a run shorter than ``early_steps`` (20) a relative warning
     is info: at init q/k, zero-initialised projections and norm scales legitimately get
-    little gradient. Corpus: ``vanishing_deep_sigmoid`` (first layers 1e-4 of the last);
+    little gradient. Corpus: ``vanishing_deep_sigmoid``, ``vanishing_linen_sigmoid`` (first layers
+    1e-4 of the last);
     healthy: HF BERT/GPT-2 from config (LayerNorm, q/k, embeddings: each judged in its
     role), LoRA fine-tuning (A with A, B with B)."""
     th, roles = ctx.th, ctx.run.roles
@@ -337,7 +339,7 @@ def saturated(ctx: RuleContext) -> list[Issue]:
     """SATURATED (warning): a bounded activation (all values in [-1, 1]) whose
     ``abs_mean`` is above ``saturated_frac`` (0.9), or a [0, 1] activation whose mean is
     within ``1 − saturated_frac`` of a bound with std below ``saturated_std`` (0.05).
-    Corpus: ``saturated_tanh`` (tanh after a ×20 kernel); healthy: GRU/LSTM and sigmoid
+    Corpus: ``saturated_tanh`` (tanh on inputs ×30); healthy: GRU/LSTM and sigmoid
     nets of the corpus."""
     th, out = ctx.th, []
     for lh in ctx.layers:
@@ -397,8 +399,8 @@ def decay_with_depth(ctx: RuleContext) -> list[Issue]:
 @rule("layer_imbalance", thresholds=("imbalance_ratio",))
 def layer_imbalance(ctx: RuleContext) -> list[Issue]:
     """LAYER_IMBALANCE (warning, run level): within one role, max / min median update
-    ratio above ``imbalance_ratio`` (1e3). Corpus: ``layer_lr_tiny`` (one param group at
-    lr/1e4); healthy: Adam trainings where norm scales (θ ≈ 1) move 1e-2 as fast as
+    ratio above ``imbalance_ratio`` (1e3). Corpus: fires on ``vanishing_deep_sigmoid`` (under SGD
+    the update ratios follow the vanishing gradients); healthy: Adam trainings where norm scales (θ ≈ 1) move 1e-2 as fast as
     kernels — judged in their own role."""
     out = []
     for grp, members in _groups(ctx).items():
@@ -420,7 +422,9 @@ def qkv_imbalance(ctx: RuleContext) -> list[Issue]:
     """ATTENTION_QKV_IMBALANCE (warning; info in a run shorter than ``early_steps``):
     max / min of one attention's q, k, v grad norms above ``qkv_ratio`` (10). At init
     q/k get little gradient (uniform attention) while v gets the full signal, so an
-    early ratio is expected. Corpus: ``attention_scaled_by_d``; healthy: HF BERT/GPT-2."""
+    early ratio is expected. Corpus: no pathology case yet (tests/test_analysis_health.py plants one);
+    healthy: ``bert_from_init``, ``bert_finetune`` (q/k gradients 10-20x below v's under
+    AdamW, update ratios alike: not raised)."""
     by_layer = {lh.layer: lh for lh in ctx.layers}
     early = ctx.run.steps < ctx.th.early_steps and not ctx.window
     out = []
@@ -460,13 +464,14 @@ def accumulating_gradients(ctx: RuleContext) -> list[Issue]:
     """ACCUMULATING_GRAD (warning): gradients summed over steps instead of reset — the
     layer's grad norm grows ``accumulating_growth`` (3) times or more from the first to
     the last quarter of the run while changing from step to step by less than
-    ``accumulating_jitter`` (2%) of itself (median; :func:`accumulation_signature`), over
+    ``accumulating_jitter`` (5%) of itself (median; :func:`accumulation_signature`), over
     ``accumulating_min_steps`` (8) steps or more. Causes: ``opt.zero_grad()`` forgotten,
     or parameters left out of the optimizer (``opt.zero_grad()`` resets only its own).
     Corpus: ``zero_grad_forgotten`` (jitter 5e-4, growth 29x),
     ``frozen_left_out_of_optimizer`` (layer 2: jitter 7e-3, growth 12x); healthy: every
     corpus training has jitter ≥ 0.04 (GPT-2 via HF Trainer, the lowest) or a falling
-    norm; a diverging run's norm grows but jumps (jitter ≈ 1: ``exploding_lr``). Not
+    norm (no healthy layer grows 3x); growing but jumping norms: ``exploding_lr`` (jitter
+    ≈ 1), ``batchnorm_eval`` (0.45), ``unshuffled`` (0.11). Not
     separable by this rule: full-batch training whose gradient grows smoothly 3x."""
     th, out = ctx.th, []
     series = ctx.facts.grad_series
@@ -491,7 +496,7 @@ def frozen_by_mistake(ctx: RuleContext) -> list[Issue]:
     (b) in a run without LoRA adapters, no gradient is recorded for it
     (``requires_grad=False``) while a layer *before* it in forward order trains: freezing
     on purpose freezes a prefix (embeddings, a pretrained encoder) or a LoRA base, not a
-    layer in the middle. No threshold. Corpus: ``layer_frozen_by_mistake``; healthy:
+    layer in the middle. No threshold. Corpus: ``frozen_left_out_of_optimizer`` (a), ``frozen_requires_grad`` (b); healthy:
     LoRA fine-tuning (base frozen), fine-tuning with a frozen encoder prefix."""
     out = []
     lora = any(lh.lora is not None for lh in ctx.layers)
@@ -563,36 +568,72 @@ def loss_period(loss: np.ndarray, min_periods: int = 3) -> tuple[int, float]:
     return best
 
 
-@rule("periodic_loss", scope="run", thresholds=("periodic_acf", "periodic_amplitude"))
+@rule("periodic_loss", scope="run", thresholds=("periodic_acf", "periodic_smooth"))
 def periodic_loss(ctx: RuleContext) -> list[Issue]:
     """PERIODIC_LOSS (run level): the loss repeats with the data order
-    (:func:`loss_period`: autocorrelation ≥ ``periodic_acf`` (0.5) at lag P, ≥ 3 periods).
-    Warning when, over the second half of the run, the spread of the loss's mean by
-    position in the period is at least ``periodic_amplitude`` (1.0) times the mean spread
-    at one position across periods (the order dominates: data not shuffled); info when
-    smaller (a fixed batch order). Corpus: ``unshuffled`` (class by class: acf 0.76,
-    amplitude 1.8); healthy: ``keras_mlp`` (acf 0.81 but amplitude 0.85: info),
-    ``saturated_tanh`` (0.27); every other corpus run has acf ≤ 0.34."""
+    (:func:`loss_period`: autocorrelation of the log-loss's step-to-step changes ≥
+    ``periodic_acf`` (0.5) at a lag P, over ≥ 3 periods). A warning when the period's
+    loss profile is smooth (:func:`period_profile_smoothness` ≥ ``periodic_smooth``
+    (0.5): the data comes in sorted stretches, e.g. class by class, and the model forgets
+    what it learnt a stretch ago); info when it is not (the same random batches in the
+    same order every epoch: benign). A Keras run's logged loss is a running mean over the
+    epoch — a sawtooth with the epoch's period whatever the data order — so its
+    per-batch losses are recovered first (:func:`batch_losses`). Corpus: ``unshuffled``
+    (acf 0.76, smoothness 0.68); healthy: ``keras_mlp`` (0.87 but smoothness −0.01: a
+    fixed batch order, info), ``keras_cnn_bn`` (0.25), ``saturated_tanh`` (−0.04); every
+    other corpus run has acf ≤ 0.34."""
     if ctx.run.loss is None:
         return []
     loss = np.asarray(ctx.run.loss, np.float64)
     loss = loss[np.isfinite(loss) & (loss > 0)]
+    if ctx.run.loss_is_epoch_mean:
+        loss = batch_losses(loss)
     period, acf = loss_period(loss)
     if period == 0 or acf < ctx.th.periodic_acf:
         return []
-    half = np.log(loss[len(loss) // 2 :])
+    smooth = period_profile_smoothness(loss, period)
+    sorted_data = smooth >= ctx.th.periodic_smooth
+    what = ("it follows the order of the data, which comes in sorted stretches"
+            if sorted_data else "the batches come in the same order every epoch")  # fmt: skip
+    return [issue(ctx, IssueType.PERIODIC_LOSS, WARN if sorted_data else INFO, None,
+                  f"the loss repeats every {period} steps (autocorrelation {acf:.2f} of its "
+                  f"step-to-step changes; profile smoothness {smooth:.2f}): {what}",
+                  period=period, acf=acf, smoothness=smooth)]  # fmt: skip
+
+
+def period_profile_smoothness(loss: np.ndarray, period: int) -> float:
+    """Lag-1 autocorrelation of the loss's mean profile over one period (log-loss of the
+    second half of the run, each period's own mean removed): near 1 when neighbouring
+    positions hold like data (a dataset read class by class), near 0 when each position
+    is its own random batch (a fixed batch order)."""
+    half = np.log(np.asarray(loss, np.float64)[len(loss) // 2 :])
     cycles = len(half) // period
     if cycles < 2:
-        return []
+        return 0.0
     fold = half[: cycles * period].reshape(cycles, period)
-    amplitude = float(np.std(fold.mean(axis=0)))
-    spread = float(np.mean(np.std(fold, axis=0)))
-    ratio = amplitude / spread if spread > 0 else math.inf
-    sev = WARN if ratio >= ctx.th.periodic_amplitude else INFO
-    return [issue(ctx, IssueType.PERIODIC_LOSS, sev, None,
-                  f"the loss repeats every {period} steps (autocorrelation {acf:.2f}); its "
-                  f"swing within a period is {ratio:.2g}x its variation between periods",
-                  period=period, acf=acf, amplitude_ratio=ratio)]  # fmt: skip
+    m = (fold - fold.mean(axis=1, keepdims=True)).mean(axis=0)
+    m = m - m.mean()
+    var = float((m * m).sum())
+    return float((m[:-1] * m[1:]).sum()) / var if var > 0 else 0.0
+
+
+def batch_losses(mean: np.ndarray) -> np.ndarray:
+    """Per-batch losses from a running mean over each epoch (Keras's ``logs["loss"]``):
+    the epoch restarts where the mean drops most in the fold of the period
+    :func:`loss_period` finds; within an epoch ``l_k = k·m_k − (k−1)·m_{k−1}``. The
+    input unchanged when no period is found."""
+    period, _ = loss_period(mean)
+    if period == 0:
+        return mean
+    d = np.diff(mean)
+    cycles = len(d) // period
+    phase = int(np.argmin(d[: cycles * period].reshape(cycles, period).mean(axis=0)))
+    start = (phase + 1) % period  # the first batch of an epoch
+    k = (np.arange(len(mean)) - start) % period + 1
+    prev = np.concatenate([[mean[0]], mean[:-1]])
+    out = k * mean - (k - 1) * prev
+    out = np.where(k == 1, mean, out)
+    return np.asarray(out[np.isfinite(out) & (out > 0)], np.float64)
 
 
 @rule("norm_stats_frozen", scope="run")
@@ -632,7 +673,7 @@ def turbulent(ctx: RuleContext) -> list[Issue]:
     """TURBULENT: the grad norm's std/mean within a window above ``turbulence`` (1.0);
     a warning only when the window's largest update ratio reaches ``turbulence_update``
     (1e-2), else info; windows of fewer than ``trend_min_rows`` (10) steps are not judged.
-    Corpus: ``exploding_lr_100x`` (late windows); healthy: the demo (a converged run's
+    Corpus (and tests/test_health_trend.py, outlier batches under SGD); healthy: the demo (a converged run's
     gradient is noise, std > mean, update ratio ~1e-3), HF BERT fine-tuning."""
     out = []
     for lh in ctx.layers:
@@ -651,8 +692,9 @@ def turbulent(ctx: RuleContext) -> list[Issue]:
                                                     "trend_min_rows"))  # fmt: skip
 def pressure_spike(ctx: RuleContext) -> list[Issue]:
     """PRESSURE_SPIKE: the largest per-step grad/param ratio of a window above
-    ``pressure_spike`` (10) times its median; warning / info as TURBULENT. Corpus:
-    ``exploding_lr_100x``; healthy: the demo, converged nets."""
+    ``pressure_spike`` (10) times its median; warning / info as TURBULENT. Corpus: no
+    pathology case yet (tests/test_health_trend.py, outlier batches); healthy: the demo,
+    converged nets."""
     out = []
     for lh in ctx.layers:
         d = _judged_window(ctx, lh)
@@ -678,7 +720,8 @@ def accelerating(ctx: RuleContext) -> list[Issue]:
     """ACCELERATING (warning): a growing grad norm whose growth rate rises within the
     window so much that at its end the norm grows ``accelerating_growth`` (10) times more
     per window than at its start, curvature ≥ ``accelerating_t`` (3) standard errors.
-    Corpus: ``exploding_lr_100x`` before the blow-up; healthy: warm-up phases of HF runs."""
+    Corpus: no pathology case yet (tests/test_health_trend.py, a second-half
+    explosion); healthy: warm-up phases of the HF runs (``gpt2_trainer``)."""
     out = []
     log_growth = math.log(ctx.th.accelerating_growth)
     for lh in ctx.layers:
