@@ -26,7 +26,9 @@ def _record(url: str) -> None:
     bad = np.asarray(stat_vector(np.where(np.eye(8, 4) > 0, np.nan, 0.01)), np.float64)
     pol = tt.CapturePolicy(kinds=("grad",), full_every=10**9)
     with tt.Recorder(url, pol) as rec:
-        rec.declare([tt.TensorSpec.build(n, "grad", dtype="float32", shape=[8, 4]) for n in TENSORS])
+        rec.declare(
+            [tt.TensorSpec.build(n, "grad", dtype="float32", shape=[8, 4]) for n in TENSORS]
+        )
         for t in range(STEPS):
             vecs = {n: pool[n][t % 16] for n in TENSORS}
             if t == NAN_GRAD_STEP:

@@ -11,9 +11,9 @@ import pytest
 
 pytest.importorskip("flax")
 
-from typer.testing import CliRunner  # noqa: E402
+from typer.testing import CliRunner
 
-from traintape.cli import app  # noqa: E402
+from traintape.cli import app
 
 cli = CliRunner()
 
