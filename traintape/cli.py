@@ -1037,11 +1037,9 @@ def monitor(
     """Follow a run while another process writes it (committed rows only)."""
     import time
 
-    import numpy as np
     from rich.live import Live
 
-    from traintape.analysis._common import LayerGroups, stat_index
-    from traintape.schema import Kind
+    from traintape.analysis.change import last_row_change
 
     if wait > 0 and _store_problem(run) is not None:
         deadline = time.monotonic() + wait
@@ -1073,31 +1071,15 @@ def monitor(
         t.add_column("grad norm")
         t.add_column("update/param")
         if r.rows:
-            last = slice(r.rows - 1, r.rows)
             met = r.metrics()
             for c in met.columns:
                 col = met[c].dropna()
                 t.add_row(
                     f"[bold]{_safe(c)}[/bold]", f"{col.iloc[-1]:.6g}" if len(col) else "–", ""
                 )
-            # the last row's per-layer norms, combined as every analysis does (LayerGroups)
-            norms: dict[Kind, dict[str, float]] = {}
-            layers: dict[str, None] = {}  # forward order, grad's layers first
-            for kind in (Kind.GRAD, Kind.UPDATE, Kind.PARAM):
-                if kind not in r.kinds():
-                    continue
-                groups = LayerGroups(r, kind)
-                l2 = r.stats_array(kind, rows=last)[:, :, stat_index(r, "l2")]
-                norms[kind] = dict(zip(groups.layers, groups.reduce(l2, "norm")[0], strict=True))
-                layers.update(dict.fromkeys(groups.layers))
-            for layer in layers:
-                g = norms.get(Kind.GRAD, {}).get(layer)
-                u, p = norms.get(Kind.UPDATE, {}).get(layer), norms.get(Kind.PARAM, {}).get(layer)
-                gs = f"{g:.3g}" if g is not None and np.isfinite(g) else "–"
-                us = "–"
-                if u is not None and p is not None and p > 0 and np.isfinite(u):
-                    us = f"{u / p:.3g}"
-                t.add_row(_safe(layer), gs, us)
+            for layer, g, ratio in last_row_change(r):
+                t.add_row(_safe(layer), "–" if g is None else f"{g:.3g}",
+                          "–" if ratio is None else f"{ratio:.3g}")  # fmt: skip
         return t
 
     if once:

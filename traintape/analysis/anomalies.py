@@ -524,3 +524,18 @@ def _dead_units(run: Run, name: str) -> float | None:
         return None
     flat = a.reshape(-1, a.shape[-1])
     return float((flat == 0).all(axis=0).mean())
+
+
+class AnomaliesAnalysis:
+    """:func:`anomalies` as an :class:`~traintape.analysis.protocol.Analysis`."""
+
+    name = "anomalies"
+
+    def __init__(self, thresholds: AnomalyThresholds | None = None) -> None:
+        self.thresholds = thresholds
+
+    def wants(self, cache: StatsCache) -> None:
+        want_anomalies(cache.run, cache)
+
+    def compute(self, cache: StatsCache) -> AnomalyReport:
+        return anomalies(cache.run, self.thresholds, cache=cache)

@@ -649,8 +649,24 @@ def health(
                         architecture=arch)  # fmt: skip
 
 
+class HealthAnalysis:
+    """:func:`health` as an :class:`~traintape.analysis.protocol.Analysis`."""
+
+    name = "health"
+
+    def __init__(self, thresholds: HealthThresholds | None = None, *, checks: bool = True) -> None:
+        self.thresholds, self.checks = thresholds, checks
+
+    def wants(self, cache: StatsCache) -> None:
+        want_health(cache.run, cache)
+
+    def compute(self, cache: StatsCache) -> HealthReport:
+        return health(cache.run, self.thresholds, cache=cache, checks=self.checks)
+
+
 __all__ = [
     "GradTotals",
+    "HealthAnalysis",
     "HealthReport",
     "HealthThresholds",
     "Issue",

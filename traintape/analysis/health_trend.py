@@ -378,3 +378,25 @@ def health_trend(
     return HealthTrend(url=run.url, window=window, steps=run.rows, windows=windows,
                        status=run_status, score=run_score, layers=layers,
                        run_issues=_episodes(run_issues, windows), thresholds=th)  # fmt: skip
+
+
+class HealthTrendAnalysis:
+    """:func:`health_trend` as an :class:`~traintape.analysis.protocol.Analysis`
+    (``window``: steps per window; None: :func:`default_window` of the run)."""
+
+    name = "health_trend"
+
+    def __init__(
+        self, window: int | None = None, thresholds: HealthThresholds | None = None
+    ) -> None:
+        self.window, self.thresholds = window, thresholds
+
+    def _window(self, run: Run) -> int:
+        th = self.thresholds or HealthThresholds()
+        return self.window or default_window(run.steps, min_rows=th.trend_min_rows)
+
+    def wants(self, cache: StatsCache) -> None:
+        want_health_trend(cache.run, cache, self._window(cache.run))
+
+    def compute(self, cache: StatsCache) -> HealthTrend:
+        return health_trend(cache.run, self._window(cache.run), self.thresholds, cache=cache)
