@@ -64,3 +64,19 @@ def test_long_run_reports_only_what_was_recorded_non_finite(tmp_path):
     assert rep.first_nonfinite is not None and rep.first_nonfinite.step == NAN_GRAD_STEP
     # the loss is logged every step: its smooth decrease is no spike or stall
     assert not [a for a in rep.anomalies if a.severity == "warning"]
+
+
+def test_report_lists_one_point_metrics_instead_of_an_empty_chart(tmp_path):
+    from traintape.analysis.report_figures import single_metrics
+    from traintape.analysis.summary import summarize
+
+    url = str(tmp_path / "short")
+    with tt.Recorder(url) as rec:
+        for t in range(30):
+            rec.log(t, loss=1.0 / (1 + t))
+        rec.log(29, **{"train/total_flos": 1.5e12})
+    run = tt.open_run(url)
+    assert single_metrics(run) == {"train/total_flos": (29, 1.5e12)}
+    s = summarize(run)
+    assert s.single_metrics == {"train/total_flos": (29, 1.5e12)}
+    assert not [a for a in s.anomalies.anomalies if a.severity == "error"]

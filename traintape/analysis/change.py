@@ -65,6 +65,7 @@ import numpy as np
 from pydantic import BaseModel, Field
 
 from traintape.analysis._common import (
+    LayerGroups,
     ProgressCallback,
     StatsCache,
     TensorSeries,
@@ -72,6 +73,7 @@ from traintape.analysis._common import (
     finite_float,
     layer_norms,
     layer_of,
+    stat_index,
 )
 from traintape.schema import Kind, split_name
 from traintape.schema.roles import LORA, LORA_PARTS
@@ -800,8 +802,6 @@ def last_row_change(run: Run) -> list[tuple[str, float | None, float | None]]:
     layers first, forward order; None where a kind or value is missing), the layer norms
     combined as every analysis combines them (:class:`~traintape.analysis._common.LayerGroups`).
     What ``traintape monitor`` shows while a run is written."""
-    from traintape.analysis._common import LayerGroups, stat_index
-
     if not run.rows:
         return []
     last = slice(run.rows - 1, run.rows)

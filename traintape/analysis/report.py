@@ -459,6 +459,15 @@ def _figure(summary: RunSummary, name: str, alt: str, missing: str) -> str:
     return _img(src, alt) if src else f"<p>{missing}</p>"
 
 
+def _single_metrics_html(single: dict[str, tuple[int, float]]) -> str:
+    """Metrics logged once, as a table (no empty one-point chart)."""
+    if not single:
+        return ""
+    rows = [f"<tr><td>{_e(k)}</td><td>{step}</td><td>{value:.6g}</td></tr>"
+            for k, (step, value) in single.items()]  # fmt: skip
+    return "<p>Logged at one step only:</p>" + _table(["metric", "step", "value"], rows)
+
+
 def to_html(summary: RunSummary) -> str:
     """The self-contained HTML report of a :class:`~traintape.analysis.summary.RunSummary`
     (pure: no reading, no analysis)."""
@@ -477,7 +486,8 @@ def to_html(summary: RunSummary) -> str:
     change_fig = summary.figures.get("change")
     body = [
         f"<h1>traintape report — {_e(summary.run_id)}</h1>", "<h2>Run</h2>", info,
-        "<h2>Metrics</h2>" + _figure(summary, "metrics", "metric curves", "No metrics."),
+        "<h2>Metrics</h2>" + _figure(summary, "metrics", "metric curves", "No metric curves.")
+        + _single_metrics_html(summary.single_metrics),
         "<h2>System</h2>" + system,
         "<h2>Gradient norm by layer</h2>"
         + _figure(summary, "grad_heatmap", "grad heatmap", "No gradients recorded."),

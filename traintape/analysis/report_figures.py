@@ -128,7 +128,23 @@ def _curves_fig(
 
 
 def metrics_fig(run: Run) -> str | None:
-    return _curves_fig(run.metrics())
+    """A curve per metric logged at two steps or more (one-point metrics are no curve:
+    :func:`single_metrics` lists them)."""
+    frame = run.metrics()
+    many = [c for c in frame.columns if frame[c].notna().sum() >= 2]
+    return _curves_fig(frame[many])
+
+
+def single_metrics(run: Run) -> dict[str, tuple[int, float]]:
+    """Metrics logged at one step only (HF's ``train/total_flos``, a final evaluation):
+    ``{name: (step, value)}`` — a table, not an empty chart."""
+    frame = run.metrics()
+    out: dict[str, tuple[int, float]] = {}
+    for c in frame.columns:
+        col = frame[c].dropna()
+        if len(col) == 1:
+            out[c] = (int(col.index[0]), float(col.iloc[0]))
+    return out
 
 
 _SYSTEM_UNITS: dict[str, tuple[str, float]] = {

@@ -55,6 +55,8 @@ class RunSummary:
     trend: HealthTrend | None = None
     change: ParameterChange | None = None
     figures: dict[str, str | None] = field(default_factory=dict)
+    single_metrics: dict[str, tuple[int, float]] = field(default_factory=dict)
+    """Metrics logged at one step only: ``{name: (step, value)}`` (no curve for them)."""
 
 
 def run_info(run: Run) -> list[tuple[str, str]]:
@@ -107,7 +109,8 @@ def summarize(
                                   progress=tracker.child())  # fmt: skip
     tracker.finish()
     return RunSummary(run_id=run.manifest.run_id, url=run.url, info=run_info(run), health=h,
-                      anomalies=an, trend=res.get("health_trend"), change=pc, figures=figs)  # fmt: skip
+                      anomalies=an, trend=res.get("health_trend"), change=pc, figures=figs,
+                      single_metrics=F.single_metrics(run))  # fmt: skip
 
 
 def _figures(run: Run, cache: StatsCache) -> dict[str, str | None]:
