@@ -992,6 +992,13 @@ def report(
     checks: list[str] | None = typer.Option(
         None, "--checks", help=_CHECKS_HELP, show_default=False
     ),
+    tensors: str | None = typer.Option(
+        None,
+        "--tensors",
+        help="GLOB of the tensors whose grad/param value distributions over time the HTML "
+        "report draws from snapshots (default: the kernels)",
+        show_default=False,
+    ),
 ) -> None:
     """Write one self-contained HTML report (figures embedded, sortable tables, a detail
     per layer; no network needed), or with --format md a Markdown summary — run info,
@@ -1020,7 +1027,7 @@ def report(
     else:
         assert out is not None
         with _reading(run), _progress("report") as cb:
-            write_report(r, out, progress=cb)
+            write_report(r, out, progress=cb, tensors=tensors)
     console.print(f"wrote {out} ({_human(os.path.getsize(out))})")
 
 

@@ -440,23 +440,39 @@ def _lora_html(d: LoraDelta) -> str:
 _FIGURES = 5  # metrics, grad heatmap, ratio heatmap, weights, change curves
 
 
-def render_report(run: Run, *, progress: ProgressCallback | None = None) -> str:
+def render_report(
+    run: Run, *, progress: ProgressCallback | None = None, tensors: str | None = None
+) -> str:
     """The HTML text of the report of ``run``: :func:`to_html` of its
     :func:`~traintape.analysis.summary.summarize` (with figures).
 
     ``progress(stage, done, total)`` is called as work is done: a unit is one row block of
     a stats array read (each is read once, shared by all sections), one figure, one
     analysis (health, anomalies) and one tensor of a snapshot pair (parameter change).
+    ``tensors``: ``fnmatch`` pattern of the tensors whose grad and param distributions
+    over time are drawn from snapshots (default: the kernels).
     """
     import matplotlib
 
     matplotlib.use("Agg", force=False)
-    return to_html(summarize(run, figures=True, progress=progress))
+    return to_html(summarize(run, figures=True, tensors=tensors, progress=progress))
 
 
 def _figure(summary: RunSummary, name: str, alt: str, missing: str) -> str:
     src = summary.figures.get(name)
     return _img(src, alt) if src else f"<p>{missing}</p>"
+
+
+def _distributions(summary: RunSummary) -> str:
+    """The value distributions over time of the chosen tensors (from snapshots)."""
+    parts = [
+        _img(src, f"{kind} distributions")
+        for kind in ("grad", "param")
+        if (src := summary.figures.get(f"{kind}_distribution"))
+    ]
+    if not parts:
+        return "<p class='muted'>No tensor with two snapshot steps: no distributions.</p>"
+    return "<h3>Value distributions over time (snapshots)</h3>" + "".join(parts)
 
 
 def _single_metrics_html(single: dict[str, tuple[int, float]]) -> str:
@@ -490,11 +506,14 @@ def to_html(summary: RunSummary) -> str:
         + _single_metrics_html(summary.single_metrics),
         "<h2>System</h2>" + system,
         "<h2>Gradient norm by layer</h2>"
-        + _figure(summary, "grad_heatmap", "grad heatmap", "No gradients recorded."),
+        + _figure(summary, "grad_heatmap", "grad heatmap", "No gradients recorded.")
+        + (_img(summary.figures["grad_lines"], "grad norm lines")
+           if summary.figures.get("grad_lines") else ""),
         "<h2>Update / param ratio by layer</h2>"
         + _figure(summary, "ratio_heatmap", "ratio heatmap", "Needs param and update kinds."),
         "<h2>Weight distributions over steps</h2>"
-        + _figure(summary, "weights", "weights", "No params."),
+        + _figure(summary, "weights", "weights", "No params.")
+        + _distributions(summary),
         "<h2>Health</h2>" + _health_html(h) + (_trend_html(tr) if tr is not None else ""),
         "<h2>Checks</h2>" + _checks_html(h.checks),
         "<h2>Anomalies</h2>" + _anomalies_html(an),
@@ -648,11 +667,13 @@ def to_markdown(summary: RunSummary) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(run: Run, out: str, *, progress: ProgressCallback | None = None) -> str:
+def write_report(
+    run: Run, out: str, *, progress: ProgressCallback | None = None, tensors: str | None = None
+) -> str:
     """Write the report of ``run`` to ``out`` (one self-contained HTML file); returns out.
 
-    ``progress``: see :func:`render_report`."""
-    text = render_report(run, progress=progress)
+    ``progress``, ``tensors``: see :func:`render_report`."""
+    text = render_report(run, progress=progress, tensors=tensors)
     with open(out, "w", encoding="utf-8") as f:
         f.write(text)
     return out

@@ -241,3 +241,111 @@ def want_weights(run: Run, cache: StatsCache) -> None:
     if Kind.PARAM in run.kinds():
         pick = weight_tensors(run)
         cache.want_reducer(("weights", tuple(pick)), TensorSeries(Kind.PARAM, pick, WEIGHT_STATS))
+
+
+DIST_TENSORS = 6
+"""Most tensors per kind whose distributions over time the report draws."""
+DIST_STEPS = 40
+"""Most snapshot steps a distribution figure reads per tensor (evenly spread)."""
+DIST_BINS = 60
+"""Value bins of a distribution figure."""
+DIST_BYTES = 256 << 20
+"""Most snapshot bytes the distribution figures read in all."""
+
+
+def pick_tensors(run: Run, kind: Kind, pattern: str | None) -> list[str]:
+    """The tensors of ``kind`` with snapshots whose distributions to draw: those matching
+    the ``fnmatch`` ``pattern`` (default: :func:`weight_tensors`' choice), in natural
+    order, at most :data:`DIST_TENSORS`."""
+    import fnmatch
+
+    if kind not in run.kinds():
+        return []
+    names = run.tensor_names(kind)
+    if pattern:
+        pick = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+    else:
+        pick = [n for n in names if n.endswith(("kernel", "embedding", "kernel_ih"))] or names
+    pick = [n for n in sorted(pick, key=natural_key) if len(run.snapshot_steps(n, kind))]
+    return pick[:DIST_TENSORS]
+
+
+def distribution_fig(run: Run, kind: Kind, tensors: list[str]) -> str | None:
+    """Per tensor, the histogram of its values' magnitudes ``log10 |x|`` at each snapshot
+    step (at most :data:`DIST_STEPS` steps, :data:`DIST_BYTES` bytes in all) as a
+    heatmap: one column per snapshot step, bins between the 0.5 and 99.5 percentiles over
+    the steps read, colour = log10 of the fraction of values (exact zeros are counted in
+    the caption). Magnitudes, because a gradient's scale moves by orders of magnitude
+    over a run. None when no tensor has two snapshot steps."""
+    import matplotlib.pyplot as plt
+
+    budget = DIST_BYTES
+    panels: list[tuple[str, np.ndarray, np.ndarray, np.ndarray, float]] = []
+    for name in tensors:
+        steps = run.snapshot_steps(name, kind)
+        if len(steps) < 2:
+            continue
+        steps = steps[np.unique(np.linspace(0, len(steps) - 1, DIST_STEPS).astype(int))]
+        mags, zeros = [], 0.0
+        for step in steps:
+            x = np.asarray(run.snapshot(name, kind, int(step)), np.float64).ravel()
+            budget -= x.nbytes
+            if budget < 0:
+                break
+            a = np.abs(x[np.isfinite(x)])
+            zeros = max(zeros, float((a == 0).mean()) if len(a) else 0.0)
+            with np.errstate(divide="ignore"):
+                mags.append(np.log10(a[a > 0]))
+        if len(mags) < 2:
+            break
+        allv = np.concatenate(mags)
+        lo, hi = np.percentile(allv, [0.5, 99.5]) if len(allv) else (0.0, 1.0)
+        hi = hi if hi > lo else lo + 1.0
+        edges = np.linspace(lo, hi, DIST_BINS + 1)
+        hist = np.stack([np.histogram(v, edges)[0] / max(len(v), 1) for v in mags])
+        panels.append((name, steps[: len(mags)], edges, hist, zeros))
+    if not panels:
+        return None
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 1.9 * len(panels)), squeeze=False)
+    for ax, (name, steps, edges, hist, zeros) in zip(axes[:, 0], panels, strict=True):
+        with np.errstate(divide="ignore"):
+            z = np.log10(np.where(hist > 0, hist, np.nan)).T
+        ax.imshow(z, aspect="auto", origin="lower", cmap="magma", interpolation="nearest",
+                  extent=(-0.5, len(steps) - 0.5, edges[0], edges[-1]))  # fmt: skip
+        ticks = np.unique(np.linspace(0, len(steps) - 1, min(len(steps), 10)).astype(int))
+        ax.set_xticks(ticks, [str(int(steps[t])) for t in ticks])
+        extra = f"; up to {zeros:.0%} exact zeros" if zeros > 0 else ""
+        ax.set_title(f"{kind.value} {name}: log10 |value| per snapshot step{extra}", fontsize=8)
+        ax.set_ylabel("log10 |x|", fontsize=7)
+        ax.tick_params(labelsize=7)
+    axes[-1, 0].set_xlabel("snapshot step")
+    fig.tight_layout()
+    return png(fig)
+
+
+def grad_norm_lines_fig(
+    steps: np.ndarray, layers: list[str], g: np.ndarray, most: int = 12
+) -> str | None:
+    """Per-layer gradient L2 norm over steps, one line each (log scale; the ``most``
+    layers with the largest median norm when there are more)."""
+    import matplotlib.pyplot as plt
+
+    if not layers or not len(steps):
+        return None
+    g = np.asarray(g, np.float64)
+    with _quiet(), np.errstate(all="ignore"):
+        med = np.nanmedian(np.where(g > 0, g, np.nan), axis=0)
+    order = np.argsort(-np.nan_to_num(med, nan=-np.inf))[:most]
+    fig, ax = plt.subplots(figsize=(11, 3.2))
+    for c in sorted(order.tolist()):
+        y = np.where(g[:, c] > 0, g[:, c], np.nan)
+        ax.plot(steps, y, lw=1, label=layers[c])
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    title = "gradient L2 norm by layer"
+    if len(layers) > most:
+        title += f" (the {most} largest of {len(layers)})"
+    ax.set_title(title)
+    ax.legend(fontsize=7, ncol=4)
+    ax.grid(alpha=0.3)
+    return png(fig)

@@ -75,11 +75,17 @@ def run_info(run: Run) -> list[tuple[str, str]]:
 
 
 def summarize(
-    run: Run, *, figures: bool = False, progress: ProgressCallback | None = None
+    run: Run,
+    *,
+    figures: bool = False,
+    tensors: str | None = None,
+    progress: ProgressCallback | None = None,
 ) -> RunSummary:
     """The summary of ``run``. ``figures``: also health over time, every parameter-change
     pair (at most 20) and the report's figures (the HTML report); without, the change
-    from the first to the last param snapshot (the Markdown summary).
+    from the first to the last param snapshot (the Markdown summary). ``tensors``: an
+    ``fnmatch`` pattern choosing the tensors whose grad and param distributions over time
+    the figures draw from snapshots (default: the kernels).
 
     ``progress(stage, done, total)``: a unit is one row block of a stats array read (each
     once, shared by every part), one figure, one analysis (health, anomalies) and one
@@ -93,7 +99,7 @@ def summarize(
         F.want_weights(run, cache)  # read in the analyses' one pass
         tracker.add(len(FIGURES))
     res = run_analyses(run, analyses, cache=cache)
-    figs = _figures(run, cache) if figures else {}
+    figs = _figures(run, cache, tensors) if figures else {}
     h, an = res["health"], res["anomalies"]
     pc: ParameterChange | None = None
     if figures:
@@ -113,8 +119,9 @@ def summarize(
                       single_metrics=F.single_metrics(run))  # fmt: skip
 
 
-def _figures(run: Run, cache: StatsCache) -> dict[str, str | None]:
-    """The stats figures (metrics, the two heatmaps, weights), one progress unit each."""
+def _figures(run: Run, cache: StatsCache, tensors: str | None) -> dict[str, str | None]:
+    """The stats figures (metrics, the grad-norm heatmap and lines, the ratio heatmap,
+    weights, value distributions from snapshots), one progress unit per kind of figure."""
     tracker = cache.tracker
     tracker.stage("figures")
     out: dict[str, str | None] = {"metrics": F.metrics_fig(run)}
@@ -123,6 +130,7 @@ def _figures(run: Run, cache: StatsCache) -> dict[str, str | None]:
     if Kind.GRAD in run.kinds() and run.rows:
         s, layers, g = layer_norms(run, Kind.GRAD, cache)
         out["grad_heatmap"] = F.heatmap(s, layers, g, "gradient L2 norm (log10), layer × step")
+        out["grad_lines"] = F.grad_norm_lines_fig(s, layers, g)
     tracker.advance()
     s, layers, r = change_from_stats(run, cache)
     out["ratio_heatmap"] = (
@@ -131,6 +139,10 @@ def _figures(run: Run, cache: StatsCache) -> dict[str, str | None]:
     )  # fmt: skip
     tracker.advance()
     out["weights"] = F.weights_fig(run, cache)
+    for kind in (Kind.GRAD, Kind.PARAM):
+        out[f"{kind.value}_distribution"] = F.distribution_fig(
+            run, kind, F.pick_tensors(run, kind, tensors)
+        )
     tracker.advance()
     return out
 
