@@ -558,9 +558,9 @@ def _roles(run: Run, layers: list[str]) -> dict[str, str]:
     return out
 
 
-def run_context(run: Run, s: _Series, facts: LayerFacts, th: HealthThresholds) -> dict[str, object]:
-    """The fields of :class:`~traintape.analysis.health_model.RunContext` for ``run``
-    (what it already does: clipping, optimizer, activations; its length; its loss)."""
+def run_context(run: Run, s: _Series, facts: LayerFacts, th: HealthThresholds) -> RunContext:
+    """The :class:`~traintape.analysis.health_model.RunContext` of ``run`` (what it
+    already does: clipping, optimizer, activations; its length, loss, roles, order)."""
     how, frac = _clipping(run, s, facts, th)
     bounded: bool | None = None
     if facts.act:
@@ -570,13 +570,13 @@ def run_context(run: Run, s: _Series, facts: LayerFacts, th: HealthThresholds) -
         )
     loss = _metric_at_rows(run, "loss", s.steps)
     rank = forward_rank(run)
-    return {
-        "clipping": how, "clip_frac": frac, "adaptive": _adaptive(run, s),
-        "bounded_activations": bounded, "steps": len(s.steps),
-        "loss": None if loss is None else loss.tolist(), "roles": _roles(run, s.layers),
-        "order": {x: tensor_rank(rank, x + "/_") for x in s.layers},
-        "loss_is_epoch_mean": "keras" in (run.manifest.producer.adapter or ""),
-    }  # fmt: skip
+    return RunContext(
+        clipping=how, clip_frac=frac, adaptive=_adaptive(run, s),
+        bounded_activations=bounded, steps=len(s.steps),
+        loss=None if loss is None else loss.tolist(), roles=_roles(run, s.layers),
+        order={x: tensor_rank(rank, x + "/_") for x in s.layers},
+        loss_is_epoch_mean="keras" in (run.manifest.producer.adapter or ""),
+    )  # fmt: skip
 
 
 def _score(
@@ -631,7 +631,7 @@ def health(
         totals = (nonfinite[0], zero_rows[0], recorded[0])
     out, facts = _measure(s, slice(None), totals)
     tracker.stage("analysing layers")
-    ctx = RunContext(**run_context(run, s, facts, th))
+    ctx = run_context(run, s, facts, th)
     run_issues = judge(RuleContext(out, facts, th, ctx))
     arch = architecture(run, th, cache=cache)
     by_layer = {lh.layer: lh for lh in out}

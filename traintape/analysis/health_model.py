@@ -69,6 +69,11 @@ class HealthThresholds(ArchitectureThresholds):
       layer's largest update/param ratio in the window reaches this (the swings move the
       weights); below it, or without a recorded ``update``, they are info (a converged
       run's gradient is noise: its std exceeds its mean, and nothing moves).
+    - ``window_loss_fall`` (0.02) / ``window_loss_peak`` (3): a window whose loss falls
+      calmly — last-third median ≥ 2% below the first third's, and after the first third
+      no value above 3× the window's median — is *learning*: its TURBULENT,
+      PRESSURE_SPIKE and ACCELERATING are info (a model learning a new feature moves fast
+      and its gradient swings and grows).
     - ``trend_min_rows`` (10): windows of health over time hold at least this many
       recorded steps (the whole run when shorter); TURBULENT / PRESSURE_SPIKE /
       ACCELERATING are not judged on fewer.
@@ -116,6 +121,8 @@ class HealthThresholds(ArchitectureThresholds):
     accelerating_t: float = 3.0
     early_steps: int = 20
     turbulence_update: float = 1e-2
+    window_loss_fall: float = 0.02
+    window_loss_peak: float = 3.0
     trend_min_rows: int = 10
     accumulating_growth: float = 3.0
     accumulating_jitter: float = 0.05

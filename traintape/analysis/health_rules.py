@@ -64,9 +64,27 @@ class RuleContext:
     span: str = "the run"
     window: bool = False
     dynamics: dict[str, dict[str, float]] = field(default_factory=dict)
+    loss_rows: slice | None = None
+    """The window's rows of ``run.loss`` (per window of health over time)."""
 
-    def layer(self, name: str) -> LayerHealth | None:
-        return next((lh for lh in self.layers if lh.layer == name), None)
+    def learning(self) -> bool:
+        """Whether the loss falls calmly over the window: its last-third median at least
+        ``window_loss_fall`` below its first-third median, and after the first third no
+        value above ``window_loss_peak`` times the window's median (no loss spike; the
+        first third may still be falling fast). False without a logged loss or outside a
+        window."""
+        if self.loss_rows is None or self.run.loss is None:
+            return False
+        x = np.asarray(self.run.loss, np.float64)[self.loss_rows]
+        x = x[np.isfinite(x)]
+        if len(x) < 6:
+            return False
+        q = len(x) // 3
+        first, last, med = float(np.median(x[:q])), float(np.median(x[-q:])), float(np.median(x))
+        if first <= 0 or med <= 0:
+            return False
+        calm = float(x[q:].max()) <= self.th.window_loss_peak * med
+        return (first - last) / first >= self.th.window_loss_fall and calm
 
 
 # ------------------------------------------------------------------ roles and measures
@@ -320,7 +338,7 @@ def vanishing(ctx: RuleContext) -> list[Issue]:
         r, grp = rel_grad(lh), role_group(lh, roles)
         best = top.get(grp)
         absolute = lh.grad_norm < th.vanishing_abs
-        relative = bool(best) and r is not None and r < th.vanishing_rel * best
+        relative = best is not None and best > 0 and r is not None and r < th.vanishing_rel * best
         if not (absolute or relative):
             continue
         frac = (r / best) if (best and r is not None) else 0.0
@@ -655,9 +673,13 @@ def norm_stats_frozen(ctx: RuleContext) -> list[Issue]:
 # ------------------------------------------------------------------ per-window rules
 def _swing_severity(ctx: RuleContext, layer: str) -> Severity:
     """Warning when the swings move the weights (largest update ratio of the window at
-    least ``turbulence_update``), info otherwise or without a recorded update."""
+    least ``turbulence_update``) and the loss does not fall calmly over the window
+    (:meth:`RuleContext.learning`: a model learning a new feature moves fast and its
+    gradient swings — corpus ``bert_from_init``, ``bert_finetune``); info otherwise or
+    without a recorded update."""
     umax = ctx.facts.umax.get(layer)
-    return WARN if umax is not None and umax >= ctx.th.turbulence_update else INFO
+    moved = umax is not None and umax >= ctx.th.turbulence_update
+    return WARN if moved and not ctx.learning() else INFO
 
 
 def _judged_window(ctx: RuleContext, lh: LayerHealth) -> dict[str, float] | None:
@@ -668,7 +690,8 @@ def _judged_window(ctx: RuleContext, lh: LayerHealth) -> dict[str, float] | None
 
 
 @rule("turbulent", scope="window", thresholds=("turbulence", "turbulence_update",
-                                               "trend_min_rows"))  # fmt: skip
+                                               "trend_min_rows", "window_loss_fall",
+                                               "window_loss_peak"))  # fmt: skip
 def turbulent(ctx: RuleContext) -> list[Issue]:
     """TURBULENT: the grad norm's std/mean within a window above ``turbulence`` (1.0);
     a warning only when the window's largest update ratio reaches ``turbulence_update``
@@ -689,6 +712,7 @@ def turbulent(ctx: RuleContext) -> list[Issue]:
 
 
 @rule("pressure_spike", scope="window", thresholds=("pressure_spike", "turbulence_update",
+                                                    "window_loss_fall", "window_loss_peak",
                                                     "trend_min_rows"))  # fmt: skip
 def pressure_spike(ctx: RuleContext) -> list[Issue]:
     """PRESSURE_SPIKE: the largest per-step grad/param ratio of a window above
@@ -715,13 +739,16 @@ def _rate(v: float) -> str:
 
 
 @rule("accelerating", scope="window", thresholds=("accelerating_growth", "accelerating_t",
+                                                  "window_loss_fall", "window_loss_peak",
                                                   "trend_min_rows"))  # fmt: skip
 def accelerating(ctx: RuleContext) -> list[Issue]:
     """ACCELERATING (warning): a growing grad norm whose growth rate rises within the
     window so much that at its end the norm grows ``accelerating_growth`` (10) times more
     per window than at its start, curvature ≥ ``accelerating_t`` (3) standard errors.
-    Corpus: no pathology case yet (tests/test_health_trend.py, a second-half
-    explosion); healthy: warm-up phases of the HF runs (``gpt2_trainer``)."""
+    Info when the loss falls calmly over the window (:meth:`RuleContext.learning`:
+    the gradient grows as a new feature is learnt — corpus ``bert_from_init``). Corpus:
+    no pathology case yet (tests/test_health_trend.py, a second-half explosion);
+    healthy: warm-up phases of the HF runs (``gpt2_trainer``)."""
     out = []
     log_growth = math.log(ctx.th.accelerating_growth)
     for lh in ctx.layers:
@@ -732,7 +759,8 @@ def accelerating(ctx: RuleContext) -> list[Issue]:
         if (np.isfinite(a) and a > 0 and v > 0 and d.get("t_stat", 0) >= ctx.th.accelerating_t
                 and a * span * span >= log_growth):  # fmt: skip
             v0, v1 = v - a * span / 2, v + a * span / 2
-            out.append(issue(ctx, IssueType.ACCELERATING, WARN, lh.layer,
+            out.append(issue(ctx, IssueType.ACCELERATING, INFO if ctx.learning() else WARN,
+                             lh.layer,
                              f"gradient norm accelerating: its growth rate rose from "
                              f"{_rate(v0)} to {_rate(v1)} per step", velocity=v,
                              acceleration=a, velocity_start=v0, velocity_end=v1,

@@ -39,7 +39,6 @@ from traintape.analysis.health import (
     GradTotals,
     LayerFacts,
     LayerHealth,
-    RunContext,
     _col_max,
     _load_series,
     _measure,
@@ -72,7 +71,7 @@ class StatusChange(BaseModel):
     step: int
     before: Status
     after: Status
-    issues: list[IssueType] = Field(default_factory=list, description="issues at ``step``")
+    issues: list[IssueType | str] = Field(default_factory=list, description="issues at ``step``")
 
 
 TrendIssue = Issue
@@ -252,11 +251,11 @@ _RANK = {Severity.INFO: 0, Severity.WARNING: 1, Severity.CRITICAL: 2}
 def _episodes(per_window: list[list[Issue]], windows: list[StepWindow]) -> list[TrendIssue]:
     """Merge each (layer, type)'s issues of consecutive windows into one episode."""
     done: list[TrendIssue] = []
-    open_: dict[tuple[str | None, IssueType], TrendIssue] = {}
+    open_: dict[tuple[str | None, str], TrendIssue] = {}
     for issues, win in zip(per_window, windows, strict=True):
-        seen: set[tuple[str | None, IssueType]] = set()
+        seen: set[tuple[str | None, str]] = set()
         for i in issues:
-            key = (i.layer, i.type)
+            key = (i.layer, str(i.type))
             if key in seen:
                 continue
             seen.add(key)
@@ -266,13 +265,13 @@ def _episodes(per_window: list[list[Issue]], windows: list[StepWindow]) -> list[
                                           "last_step": win.last_step, "windows": 1})  # fmt: skip
                 open_[key] = ep
                 continue
-            ep.last_step, ep.windows = win.last_step, ep.windows + 1
+            ep.last_step, ep.windows = win.last_step, (ep.windows or 0) + 1
             if _RANK[i.severity] > _RANK[ep.severity]:
                 ep.severity, ep.message, ep.evidence = i.severity, i.message, i.evidence
         for key in [k for k in open_ if k not in seen]:
             done.append(open_.pop(key))
     done.extend(open_.values())
-    return sorted(done, key=lambda e: e.first_step)
+    return sorted(done, key=lambda e: e.first_step or 0)
 
 
 def _whole_facts(s: _Series) -> LayerFacts:
@@ -315,7 +314,7 @@ def health_trend(
     cache.load()
     s = _load_series(run, cache)
     totals = cache.result(("grad_totals", window)) if s.g_layers else None
-    ctx = RunContext(**run_context(run, s, _whole_facts(s), th))
+    ctx = run_context(run, s, _whole_facts(s), th)
     ends = [*starts[1:].tolist(), run.rows][: len(starts)]
     windows = [
         StepWindow(index=int(k), first_step=int(s.steps[a]), last_step=int(s.steps[b - 1]),
@@ -338,7 +337,7 @@ def health_trend(
         out, facts = _measure(s, rows, tot)
         dyn, per_layer = _window_dynamics(out, s, rows)
         r_issues = judge(RuleContext(out, facts, th, ctx, span="the window", window=True,
-                                     dynamics=per_layer))  # fmt: skip
+                                     dynamics=per_layer, loss_rows=rows))  # fmt: skip
         score, st = _score(out, r_issues, th)
         for k in names[:4]:
             cols[k][w] = [np.nan if getattr(lh, k) is None else getattr(lh, k) for lh in out]
@@ -357,7 +356,7 @@ def health_trend(
     by_layer: dict[str | None, list[TrendIssue]] = {}
     for e in episodes:
         by_layer.setdefault(e.layer, []).append(e)
-    types_at: dict[tuple[int, str], list[IssueType]] = {}
+    types_at: dict[tuple[int, str], list[IssueType | str]] = {}
     for w, issues in enumerate(layer_issues):
         for i in issues:
             types_at.setdefault((w, i.layer or ""), []).append(i.type)

@@ -299,7 +299,7 @@ def run_check(run: Run, c: Check) -> CheckResult:
             res = CheckResult(error=f"returned {type(out).__name__}, expected a CheckResult")
     except ValidationError as e:
         res = CheckResult(error=f"returned an invalid result: {_err(e)}")
-    res.name, res.kind = c.name, c.kind
+    res.name, res.kind = c.name, ("metric" if c.kind == "metric" else "check")
     for i in res.issues:
         if i.type == "CHECK":
             i.type = c.name

@@ -315,15 +315,15 @@ def _trend_html(tr: HealthTrend) -> str:
     for lt in tr.layers:
         cells = []
         for w, st in zip(tr.windows, lt.status, strict=True):
-            types = [i.type for i in lt.issues
-                     if i.first_step <= w.first_step and w.last_step <= i.last_step]  # fmt: skip
+            types = [str(i.type) for i in lt.issues
+                     if (i.first_step or 0) <= w.first_step <= w.last_step <= (i.last_step or 0)]  # fmt: skip
             tip = ", ".join(types) or st.value
             cells.append(f'<td class="{st.value}" title="{_e(tip)}">{_MARK[st.value]}</td>')
         rows.append(f"<tr><td>{_e(lt.layer)}</td>{''.join(cells)}</tr>")
     changes = "".join(
         f"<li>{_e(lt.layer)}: <span class='{c.before.value}'>{c.before.value}</span> → "
         f"<span class='{c.after.value}'>{c.after.value}</span> at step {c.step}"
-        + (f" ({_e(', '.join(i.value for i in c.issues))})" if c.issues else "")
+        + (f" ({_e(', '.join(str(i) for i in c.issues))})" if c.issues else "")
         + "</li>"
         for lt in tr.layers
         for c in lt.changes
@@ -332,7 +332,7 @@ def _trend_html(tr: HealthTrend) -> str:
         f'<li class="{i.severity.value}">{_e(i.type)} {_e(i.layer or "run")}, steps '
         f"{i.first_step}..{i.last_step}: {_e(i.message)} — "
         f'<span class="muted">{_e(i.recommendation)}</span></li>'
-        for i in sorted(tr.issues(), key=lambda i: i.first_step)
+        for i in sorted(tr.issues(), key=lambda i: i.first_step or 0)
     )
     return (
         f"<h3>Health over time (windows of {tr.window} steps; columns: first step)</h3>"
@@ -491,10 +491,11 @@ def to_html(summary: RunSummary) -> str:
     info = "<table>" + "".join(
         f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in summary.info
     ) + "</table>"  # fmt: skip
+    sys_fig = summary.figures.get("system")
     system = (
-        _img(summary.figures["system"], "system metrics")
+        _img(sys_fig, "system metrics")
         + "<p class='muted'>Dashed lines: memory spikes (anomalies).</p>"
-        if summary.figures.get("system")
+        if sys_fig
         else "<p>No system metrics recorded.</p>"
     )
     pc = summary.change
@@ -507,8 +508,7 @@ def to_html(summary: RunSummary) -> str:
         "<h2>System</h2>" + system,
         "<h2>Gradient norm by layer</h2>"
         + _figure(summary, "grad_heatmap", "grad heatmap", "No gradients recorded.")
-        + (_img(summary.figures["grad_lines"], "grad norm lines")
-           if summary.figures.get("grad_lines") else ""),
+        + (_img(lines, "grad norm lines") if (lines := summary.figures.get("grad_lines")) else ""),
         "<h2>Update / param ratio by layer</h2>"
         + _figure(summary, "ratio_heatmap", "ratio heatmap", "Needs param and update kinds."),
         "<h2>Weight distributions over steps</h2>"

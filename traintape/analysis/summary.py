@@ -26,7 +26,7 @@ from traintape.analysis.change import (
 )
 from traintape.analysis.health import HealthAnalysis, HealthReport
 from traintape.analysis.health_trend import HealthTrend, HealthTrendAnalysis, default_window
-from traintape.analysis.protocol import run_analyses
+from traintape.analysis.protocol import Analysis, run_analyses
 from traintape.schema import Kind
 
 if TYPE_CHECKING:
@@ -92,7 +92,7 @@ def summarize(
     tensor of a snapshot pair (parameter change)."""
     tracker = Tracker(progress)
     cache = StatsCache(run, tracker)
-    analyses = [HealthAnalysis(), AnomaliesAnalysis()]
+    analyses: list[Analysis] = [HealthAnalysis(), AnomaliesAnalysis()]
     if figures:
         window = default_window(run.steps, TREND_WINDOWS)
         analyses.append(HealthTrendAnalysis(window))
