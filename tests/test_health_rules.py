@@ -262,3 +262,15 @@ def test_windows_are_sized_to_the_run():
     w = default_window(np.arange(300))
     assert w >= 10 and 300 / w <= 10
     assert default_window(np.arange(0, 3000, 10)) >= 100  # 10 recorded steps per window
+
+
+def test_health_against_ignores_info_issues(tmp_path):
+    """A run whose only findings are info (a short transformer run: early-phase q/k) is
+    compared with a baseline without raising on the info severity."""
+    from traintape.analysis import health_against
+
+    a = _encoder_run(str(tmp_path / "a"), 6)
+    b = _encoder_run(str(tmp_path / "b"), 6)
+    cmp = health_against(a, b)
+    assert all(ic.before != "info" and ic.after != "info"
+               for lc in cmp.layers for ic in lc.issues)  # fmt: skip
