@@ -26,7 +26,10 @@ Detectors (thresholds in :class:`AnomalyThresholds`, defaults in parentheses):
   0.99, error); where activation snapshots exist, the fraction of units that are zero for
   every example of the probe batch is given as evidence.
 - ``stalled``: the loss changed by less than ``stall_rel`` (1e-4, relative) over the last
-  ``stall_window`` (20) steps while not near zero.
+  ``stall_window`` (20) steps while not near zero; a warning while the loss is above
+  ``stall_progress`` (0.5) of its starting level, info once it fell below (converged).
+- loss spikes the training recovers from at once (the next ``spike_recover_steps`` (5)
+  losses back near the rolling median) are info.
 - ``memory_spike``: a system memory metric (``sys/rss_bytes``, ``sys/gpu_mem_allocated_bytes``,
   ``sys/gpu_mem_reserved_bytes``; :mod:`traintape.core.system`) jumps above its rolling
   median by more than ``memory_spike_frac`` (0.2) of it with robust z above ``z``, after
@@ -102,6 +105,19 @@ class AnomalyThresholds(BaseModel):
     dead_frac_error: float = 0.99
     stall_window: int = Field(20, ge=2)
     stall_rel: float = 1e-4
+    stall_progress: float = Field(
+        0.5,
+        gt=0,
+        description="a stall is a warning only while the loss is above this fraction of "
+        "its starting level (a converged run whose schedule ended is no stall: corpus "
+        "encoder_warmup_cosine, 230x down); below, info",
+    )
+    spike_recover_steps: int = Field(
+        5,
+        ge=1,
+        description="a warning loss spike the next this-many losses recover from at once "
+        "(median within 1.5x the rolling median) is info",
+    )
     loss_metric: str = "loss"
     memory_spike_frac: float = Field(
         0.2, gt=0, description="a memory spike exceeds the rolling median by this fraction"
@@ -202,6 +218,26 @@ def _nonfinite(run: Run, cache: StatsCache) -> list[Anomaly]:
         out.append(((a.step, 9, 0, natural_key(a.tensor or "")), a))
     out.sort(key=lambda x: x[0])
     return [a for _, a in out]
+
+
+def _recovered(
+    spikes: list[Anomaly], steps: np.ndarray, loss: np.ndarray, th: AnomalyThresholds
+) -> list[Anomaly]:
+    """Grade warning loss spikes by what followed: one the training recovered from at
+    once — the median of the next ``spike_recover_steps`` (5) losses within 1.5× the
+    rolling median before the spike — is info (a hard batch; corpus ``gru``: 7.7× for one
+    step); a spike the loss stays up after stays a warning."""
+    pos = {int(s): i for i, s in enumerate(np.asarray(steps).tolist())}
+    for a in spikes:
+        if a.type != "loss_spike" or a.severity != Severity.WARNING or a.step not in pos:
+            continue
+        after = loss[pos[a.step] + 1 : pos[a.step] + 1 + th.spike_recover_steps]
+        after = after[np.isfinite(after)]
+        base = a.evidence.get("rolling_median")
+        if len(after) == th.spike_recover_steps and base and np.median(after) <= 1.5 * base:
+            a.severity = Severity.INFO
+            a.message += f" (recovered: the next {len(after)} losses are back at the median)"
+    return spikes
 
 
 def _metric_nonfinite(run: Run) -> list[Anomaly]:
@@ -335,18 +371,23 @@ def anomalies(
         lsteps = met.index.to_numpy()
         logged = ~np.isnan(loss)  # NaN: not logged at that row (a logged NaN is evented)
         loss, lsteps = loss[logged], lsteps[logged]
-        found += _series_z(["loss"], lsteps, loss[:, None], th, "loss_spike", "loss_drop")
+        found += _recovered(
+            _series_z(["loss"], lsteps, loss[:, None], th, "loss_spike", "loss_drop"),
+            lsteps, loss, th,
+        )  # fmt: skip
         fin = np.isfinite(loss)
         if fin.sum() > th.stall_window:
             tail = loss[fin][-th.stall_window :]
             scale = max(abs(tail[0]), 1e-12)
             rel = abs(tail[-1] - tail[0]) / scale
+            head = float(np.median(loss[fin][: th.stall_window]))
+            progress = abs(tail[-1]) < th.stall_progress * abs(head)
             if rel < th.stall_rel and abs(tail[-1]) > 1e-6:
                 found.append(
                     Anomaly(
                         type="stalled",
                         step=int(lsteps[fin][-th.stall_window]),
-                        severity=Severity.WARNING,
+                        severity=Severity.INFO if progress else Severity.WARNING,
                         message=f"loss changed by {rel:.2g} (relative) over the last "
                         f"{th.stall_window} steps",
                         evidence=_ev(relative_change=rel, loss=float(tail[-1])),
