@@ -28,8 +28,8 @@ Detectors (thresholds in :class:`AnomalyThresholds`, defaults in parentheses):
 - ``stalled``: the loss changed by less than ``stall_rel`` (1e-4, relative) over the last
   ``stall_window`` (20) steps while not near zero; a warning while the loss is above
   ``stall_progress`` (0.5) of its starting level, info once it fell below (converged).
-- loss spikes the training recovers from at once (the next ``spike_recover_steps`` (5)
-  losses back near the rolling median) are info.
+- loss spikes the training recovers from at once (the median of the next
+  ``spike_recover_steps`` (5) losses has a robust z below ``z / 2``) are info.
 - ``memory_spike``: a system memory metric (``sys/rss_bytes``, ``sys/gpu_mem_allocated_bytes``,
   ``sys/gpu_mem_reserved_bytes``; :mod:`traintape.core.system`) jumps above its rolling
   median by more than ``memory_spike_frac`` (0.2) of it with robust z above ``z``, after
@@ -116,7 +116,7 @@ class AnomalyThresholds(BaseModel):
         5,
         ge=1,
         description="a warning loss spike the next this-many losses recover from at once "
-        "(median within 1.5x the rolling median) is info",
+        "(their median's robust z below z/2) is info",
     )
     loss_metric: str = "loss"
     memory_spike_frac: float = Field(
@@ -224,17 +224,21 @@ def _recovered(
     spikes: list[Anomaly], steps: np.ndarray, loss: np.ndarray, th: AnomalyThresholds
 ) -> list[Anomaly]:
     """Grade warning loss spikes by what followed: one the training recovered from at
-    once — the median of the next ``spike_recover_steps`` (5) losses within 1.5× the
-    rolling median before the spike — is info (a hard batch; corpus ``gru``: 7.7× for one
-    step); a spike the loss stays up after stays a warning."""
+    once — the median of the next ``spike_recover_steps`` (5) losses no longer a spike
+    (its robust z against the same rolling median and spread below ``z / 2``) — is info
+    (a hard batch; corpus ``gru``: one step at 7.7x); a spike the loss stays up after
+    stays a warning."""
     pos = {int(s): i for i, s in enumerate(np.asarray(steps).tolist())}
     for a in spikes:
         if a.type != "loss_spike" or a.severity != Severity.WARNING or a.step not in pos:
             continue
         after = loss[pos[a.step] + 1 : pos[a.step] + 1 + th.spike_recover_steps]
         after = after[np.isfinite(after)]
-        base = a.evidence.get("rolling_median")
-        if len(after) == th.spike_recover_steps and base and np.median(after) <= 1.5 * base:
+        base, value, z = (a.evidence.get(k) for k in ("rolling_median", "value", "z"))
+        if len(after) < th.spike_recover_steps or not (base and value and z):
+            continue
+        spread = (value - base) / z  # the robust scale the spike's z was measured with
+        if spread > 0 and (float(np.median(after)) - base) / spread < th.z / 2:
             a.severity = Severity.INFO
             a.message += f" (recovered: the next {len(after)} losses are back at the median)"
     return spikes
