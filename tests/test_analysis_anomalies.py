@@ -77,3 +77,34 @@ def test_root_level_tensor_has_layer_empty_and_stats_by_name(tmp_path):
     assert stat_index(run, "l2") == run.manifest.stat_names.index("l2")
     with pytest.raises(KeyError, match="no statistic 'kurtosis'"):
         stat_index(run, "kurtosis")
+
+
+def _loss_run(path, loss) -> traintape.Run:
+    with traintape.Recorder(str(path)) as rec:
+        for t, v in enumerate(loss):
+            rec.log(t, loss=float(v))
+    return traintape.open_run(str(path))
+
+
+def test_a_spike_the_loss_recovers_from_is_info_one_it_stays_up_after_is_a_warning(tmp_path):
+    rng = np.random.default_rng(1)
+    loss = 1.0 + 0.01 * rng.standard_normal(80)
+    loss[:10] = 3.0  # an earlier, higher level: the spike climbs back to it
+    once = loss.copy()
+    once[50] = 2.5  # one hard batch
+    (spike,) = anomalies(_loss_run(tmp_path / "once", once)).of_type("loss_spike")
+    assert (spike.step, spike.severity) == (50, "info")
+    stays = loss.copy()
+    stays[50:] = 2.5  # the loss jumps and stays up
+    warn = [a for a in anomalies(_loss_run(tmp_path / "stays", stays)).of_type("loss_spike")
+            if a.severity == "warning"]  # fmt: skip
+    assert warn and warn[0].step == 50
+
+
+def test_a_stall_far_above_the_start_is_a_warning_a_converged_plateau_is_info(tmp_path):
+    flat = np.full(40, 0.7)
+    (st,) = anomalies(_loss_run(tmp_path / "flat", flat)).of_type("stalled")
+    assert st.severity == "warning"
+    converged = np.concatenate([np.linspace(0.8, 0.004, 40), np.full(40, 0.0035)])
+    (st,) = anomalies(_loss_run(tmp_path / "conv", converged)).of_type("stalled")
+    assert st.severity == "info"

@@ -538,7 +538,7 @@ def ls_runs(
     console.print(t)
 
 
-_COLOR = {"healthy": "green", "warning": "yellow", "critical": "red"}
+_COLOR = {"healthy": "green", "info": "blue", "warning": "yellow", "critical": "red"}
 _GLYPH = {"healthy": "·", "warning": "▲", "critical": "✖"}
 _SEVERITY = {"healthy": 0, "warning": 1, "critical": 2}
 
@@ -576,15 +576,29 @@ def _health_table(rep: Any) -> None:
     )
     for lh in rep.layers:
         t.add_row(
-            _safe(lh.layer), *(v(lh) for _, v in cols), ", ".join(i.type.value for i in lh.issues)
+            _safe(lh.layer), *(v(lh) for _, v in cols), ", ".join(str(i.type) for i in lh.issues)
         )
     console.print(t)
     for i in rep.issues():
         c = _COLOR[i.severity]
         where = _safe(i.layer or "run")
-        console.print(
-            f"[{c}]{i.type.value}[/{c}] {where}: {_safe(i.message)}\n    → {i.recommendation}"
-        )
+        console.print(f"[{c}]{i.type}[/{c}] {where}: {_safe(i.message)}")
+    _recommendations(rep.issues())
+
+
+def _recommendations(issues: list[Any]) -> None:
+    """Each recommendation of ``issues`` once, with the layers it applies to."""
+    from traintape.analysis import recommendations
+
+    recs = recommendations(i for i in issues if i.severity != "info")
+    if recs:
+        console.print("[bold]recommendations[/bold]")
+    for r in recs:
+        c = _COLOR[r.severity]
+        where = ", ".join(_safe(x) for x in r.layers[:6])
+        if len(r.layers) > 6:
+            where += f", … ({len(r.layers)} layers)"
+        console.print(f"[{c}]{r.type}[/{c}] ({where})\n    → {_safe(r.recommendation)}")
 
 
 def _checks_table(results: list[Any]) -> None:
@@ -664,7 +678,7 @@ def _health_trend(r: Any, run: str, window: int, as_json: bool, th: Any = None) 
     for lt in tr.layers:
         ch = [
             f"{c.before} → {c.after} at {c.step}"
-            + (f" ({', '.join(i.value for i in c.issues)})" if c.issues else "")
+            + (f" ({', '.join(str(i) for i in c.issues)})" if c.issues else "")
             for c in lt.changes
         ]
         more = f"; … {len(ch) - 3} more" if len(ch) > 3 else ""
@@ -679,10 +693,8 @@ def _health_trend(r: Any, run: str, window: int, as_json: bool, th: Any = None) 
         span = f"steps {i.first_step}..{i.last_step}" + (
             f" ({i.windows} windows)" if i.windows > 1 else ""
         )
-        console.print(
-            f"[{c}]{i.type.value}[/{c}] {_safe(i.layer or 'run')}, {span}: {_safe(i.message)}"
-            f"\n    → {i.recommendation}"
-        )
+        console.print(f"[{c}]{i.type}[/{c}] {_safe(i.layer or 'run')}, {span}: {_safe(i.message)}")
+    _recommendations(tr.issues())
     raise typer.Exit(code)
 
 
@@ -803,11 +815,30 @@ _THRESHOLD_HELP = (
 )
 
 
+def _window_arg(window: str | None) -> int | None:
+    """``--window``: None, a step count ≥ 1, or ``auto`` (returned as 0)."""
+    if window is None:
+        return None
+    if window.strip().lower() == "auto":
+        return 0
+    try:
+        n = int(window)
+    except ValueError:
+        _fail(f"--window must be a number of steps or 'auto', got {window!r}")
+    if n < 1:
+        _fail(f"--window must be at least 1 step, got {n}")
+    return n
+
+
 @app.command()
 def health(
     run: str = typer.Argument(..., help="run directory or URL"),
-    window: int | None = typer.Option(
-        None, "--window", "-w", help="health per window of N steps: how each layer's status evolves"
+    window: str | None = typer.Option(
+        None,
+        "--window",
+        "-w",
+        help="health per window of N steps: how each layer's status evolves (auto: "
+        "windows sized to the run's length)",
     ),
     against: str | None = typer.Option(
         None, "--against", help="baseline run: is RUN improved, degraded or unchanged, per layer?"
@@ -827,7 +858,7 @@ def health(
     """Gradient-flow health per layer: score, status, issues and recommendations.
 
     With --window N: each layer's status per window of N steps (windows aligned to
-    multiples of N), where it changed, and the issues of each stretch of windows, with
+    multiples of N; --window auto: sized to the run), where it changed, and the issues of each stretch of windows, with
     turbulence, max pressure and grad-norm velocity/acceleration. With --against B: per
     layer, RUN improved / degraded / unchanged against the baseline B, with the issues
     resolved or new and the measures that moved (from B's value to RUN's).
@@ -843,15 +874,19 @@ def health(
     from traintape.analysis import HealthThresholds
     from traintape.analysis import health as run_health
 
-    if window is not None and window < 1:
-        _fail(f"--window must be at least 1 step, got {window}")
-    if window is not None and against is not None:
+    steps_per_window = _window_arg(window)
+    if steps_per_window is not None and against is not None:
         _fail("--window and --against cannot be combined", "run them one after the other")
     th = _thresholds(HealthThresholds, threshold, "health")
     _import_checks(checks)
     r = _open(run)
-    if window is not None:
-        _health_trend(r, run, window, as_json, th)
+    if steps_per_window is not None:
+        if steps_per_window == 0:  # auto
+            from traintape.analysis.health_trend import default_window
+
+            min_rows = (th or HealthThresholds()).trend_min_rows
+            steps_per_window = default_window(r.steps, min_rows=min_rows)
+        _health_trend(r, run, steps_per_window, as_json, th)
     if against is not None:
         _health_against(r, run, _open(against), against, as_json, th)
     with _reading(run), _progress("health") as cb:
@@ -1058,6 +1093,13 @@ def report(
     checks: list[str] | None = typer.Option(
         None, "--checks", help=_CHECKS_HELP, show_default=False
     ),
+    tensors: str | None = typer.Option(
+        None,
+        "--tensors",
+        help="GLOB of the tensors whose grad/param value distributions over time the HTML "
+        "report draws from snapshots (default: the kernels)",
+        show_default=False,
+    ),
 ) -> None:
     """Write one self-contained HTML report (figures embedded, sortable tables, a detail
     per layer; no network needed), or with --format md a Markdown summary — run info,
@@ -1086,7 +1128,7 @@ def report(
     else:
         assert out is not None
         with _reading(run), _progress("report") as cb:
-            write_report(r, out, progress=cb)
+            write_report(r, out, progress=cb, tensors=tensors)
     console.print(f"wrote {out} ({_human(os.path.getsize(out))})")
 
 
@@ -1103,11 +1145,9 @@ def monitor(
     """Follow a run while another process writes it (committed rows only)."""
     import time
 
-    import numpy as np
     from rich.live import Live
 
-    from traintape.analysis._common import LayerGroups, stat_index
-    from traintape.schema import Kind
+    from traintape.analysis.change import last_row_change
 
     if wait > 0 and _store_problem(run) is not None:
         deadline = time.monotonic() + wait
@@ -1140,31 +1180,15 @@ def monitor(
         t.add_column("update/param: last step")
         t.add_column("metric: last logged")
         if r.rows:
-            last = slice(r.rows - 1, r.rows)
             met = r.metrics()
             for c in met.columns:
                 col = met[c].dropna()
                 t.add_row(
                     f"[bold]{_safe(c)}[/bold]", "", "", f"{col.iloc[-1]:.6g}" if len(col) else "–"
                 )
-            # the last row's per-layer norms, combined as every analysis does (LayerGroups)
-            norms: dict[Kind, dict[str, float]] = {}
-            layers: dict[str, None] = {}  # forward order, grad's layers first
-            for kind in (Kind.GRAD, Kind.UPDATE, Kind.PARAM):
-                if kind not in r.kinds():
-                    continue
-                groups = LayerGroups(r, kind)
-                l2 = r.stats_array(kind, rows=last)[:, :, stat_index(r, "l2")]
-                norms[kind] = dict(zip(groups.layers, groups.reduce(l2, "norm")[0], strict=True))
-                layers.update(dict.fromkeys(groups.layers))
-            for layer in layers:
-                g = norms.get(Kind.GRAD, {}).get(layer)
-                u, p = norms.get(Kind.UPDATE, {}).get(layer), norms.get(Kind.PARAM, {}).get(layer)
-                gs = f"{g:.3g}" if g is not None and np.isfinite(g) else "–"
-                us = "–"
-                if u is not None and p is not None and p > 0 and np.isfinite(u):
-                    us = f"{u / p:.3g}"
-                t.add_row(_safe(layer), gs, us, "")
+            for layer, g, ratio in last_row_change(r):
+                t.add_row(_safe(layer), "–" if g is None else f"{g:.3g}",
+                          "–" if ratio is None else f"{ratio:.3g}", "")  # fmt: skip
         return t
 
     if once:

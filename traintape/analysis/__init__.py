@@ -38,16 +38,7 @@ from traintape.analysis.change import (
 )
 from traintape.analysis.compare import DEFAULT_TOLERANCES, CompareReport, Tolerance, compare
 from traintape.analysis.export import export
-from traintape.analysis.health import (
-    HealthReport,
-    HealthThresholds,
-    Issue,
-    IssueType,
-    LayerHealth,
-    LoraHealth,
-    Status,
-    health,
-)
+from traintape.analysis.health import health
 from traintape.analysis.health_compare import (
     HealthComparison,
     IssueChange,
@@ -58,6 +49,12 @@ from traintape.analysis.health_compare import (
     compare_health,
     health_against,
 )
+from traintape.analysis.health_model import (
+    HealthReport,
+    HealthThresholds,
+    LayerHealth,
+    LoraHealth,
+)
 from traintape.analysis.health_trend import (
     HealthTrend,
     LayerTrend,
@@ -65,6 +62,14 @@ from traintape.analysis.health_trend import (
     StepWindow,
     TrendIssue,
     health_trend,
+)
+from traintape.analysis.issues import (
+    Issue,
+    IssueType,
+    Recommendation,
+    Severity,
+    Status,
+    recommendations,
 )
 from traintape.analysis.registry import (
     CheckIssue,
@@ -108,6 +113,8 @@ __all__ = [
     "NoSharedLayersError",
     "OutputAgreement",
     "ParameterChange",
+    "Recommendation",
+    "Severity",
     "SparseUpdateQuality",
     "Status",
     "StatusChange",
@@ -130,6 +137,7 @@ __all__ = [
     "lora_delta",
     "metric",
     "parameter_change",
+    "recommendations",
     "register_check",
     "render_markdown",
     "render_report",

@@ -15,15 +15,21 @@ Detectors (thresholds in :class:`AnomalyThresholds`, defaults in parentheses):
   rolling median to the highest rolling median before it (it undoes that much of the
   progress); a smaller one — a noisy batch late in a converged run — is **info**. Drops
   are info.
-- ``grad_spike``: the same z-score on log10 of each layer's gradient norm above ``z``,
+- ``grad_spike``: the same z-score on log10 of each layer's gradient norm above ``z``
+  (a warning only at ``grad_spike_factor`` (10) times the rolling median or more),
   graded the same way on the norms themselves.
 - ``update_ratio``: per layer, steps where ``‖Δθ‖/‖θ‖`` leaves
-  [``update_ratio_low`` (1e-7), ``update_ratio_high`` (0.1)]; reported at the first such step.
+  [``update_ratio_low`` (1e-7), ``update_ratio_high`` (0.1)]; reported at the first such
+  step; a warning when out of range at ``update_ratio_frac`` (10%) of the layer's steps,
+  else info.
 - ``dead_units``: median activation zero fraction above ``dead_frac`` (0.9, warning; ``dead_frac_error``
   0.99, error); where activation snapshots exist, the fraction of units that are zero for
   every example of the probe batch is given as evidence.
 - ``stalled``: the loss changed by less than ``stall_rel`` (1e-4, relative) over the last
-  ``stall_window`` (20) steps while not near zero.
+  ``stall_window`` (20) steps while not near zero; a warning while the loss is above
+  ``stall_progress`` (0.5) of its starting level, info once it fell below (converged).
+- loss spikes the training recovers from at once (the median of the next
+  ``spike_recover_steps`` (5) losses has a robust z below ``z / 2``) are info.
 - ``memory_spike``: a system memory metric (``sys/rss_bytes``, ``sys/gpu_mem_allocated_bytes``,
   ``sys/gpu_mem_reserved_bytes``; :mod:`traintape.core.system`) jumps above its rolling
   median by more than ``memory_spike_frac`` (0.2) of it with robust z above ``z``, after
@@ -53,6 +59,7 @@ from traintape.analysis._common import (
     robust_z_median,
     tensor_rank,
 )
+from traintape.core.system import is_system
 from traintape.schema import Kind, Severity
 
 if TYPE_CHECKING:
@@ -77,12 +84,40 @@ class AnomalyThresholds(BaseModel):
         "the way from the rolling median to the highest rolling median seen before; "
         "smaller spikes (a noisy batch late in a converged run) are info",
     )
+    grad_spike_factor: float = Field(
+        10.0,
+        gt=0,
+        description="a grad spike is a warning only when the norm is at least this many "
+        "times its rolling median (healthy minibatch training has 2-4x spikes: corpus "
+        "mlp_adam, lstm); smaller ones are info",
+    )
     update_ratio_low: float = 1e-7
+    update_ratio_frac: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="update_ratio is a warning when out of range at this fraction of the "
+        "layer's steps at least; fewer (Adam's first step, a schedule's last steps at lr "
+        "0: corpus gpt2_trainer) are info",
+    )
     update_ratio_high: float = 0.1
     dead_frac: float = 0.9
     dead_frac_error: float = 0.99
     stall_window: int = Field(20, ge=2)
     stall_rel: float = 1e-4
+    stall_progress: float = Field(
+        0.5,
+        gt=0,
+        description="a stall is a warning only while the loss is above this fraction of "
+        "its starting level (a converged run whose schedule ended is no stall: corpus "
+        "encoder_warmup_cosine, 230x down); below, info",
+    )
+    spike_recover_steps: int = Field(
+        5,
+        ge=1,
+        description="a warning loss spike the next this-many losses recover from at once "
+        "(their median's robust z below z/2) is info",
+    )
     loss_metric: str = "loss"
     memory_spike_frac: float = Field(
         0.2, gt=0, description="a memory spike exceeds the rolling median by this fraction"
@@ -179,23 +214,69 @@ def _nonfinite(run: Run, cache: StatsCache) -> list[Anomaly]:
                 )
                 key = (a.step, KIND_RANK[kind], tensor_rank(rank, name), natural_key(name))
                 out.append((key, a))
-    met = run.metrics()
-    for c in met.columns:
-        col = met[c].to_numpy()
-        for typ, mask in (("nan", np.isnan(col)), ("inf", np.isinf(col))):
-            if mask.any():
-                i = int(np.argmax(mask))
-                a = Anomaly(
-                    type=typ,
-                    step=int(met.index[i]),
-                    tensor=f"metric:{c}",
-                    severity=Severity.ERROR,
-                    message=f"first {typ.upper()} in metric {c}",
-                    evidence=_ev(steps_affected=int(mask.sum())),
-                )
-                out.append(((a.step, 9, 0, natural_key(c)), a))
+    for a in _metric_nonfinite(run):
+        out.append(((a.step, 9, 0, natural_key(a.tensor or "")), a))
     out.sort(key=lambda x: x[0])
     return [a for _, a in out]
+
+
+def _recovered(
+    spikes: list[Anomaly], steps: np.ndarray, loss: np.ndarray, th: AnomalyThresholds
+) -> list[Anomaly]:
+    """Grade warning loss spikes by what followed: one the training recovered from at
+    once — the median of the next ``spike_recover_steps`` (5) losses no longer a spike
+    (its robust z against the same rolling median and spread below ``z / 2``) — is info
+    (a hard batch; corpus ``gru``: one step at 7.7x); a spike the loss stays up after
+    stays a warning."""
+    pos = {int(s): i for i, s in enumerate(np.asarray(steps).tolist())}
+    for a in spikes:
+        if a.type != "loss_spike" or a.severity != Severity.WARNING or a.step not in pos:
+            continue
+        after = loss[pos[a.step] + 1 : pos[a.step] + 1 + th.spike_recover_steps]
+        after = after[np.isfinite(after)]
+        base, value, z = (a.evidence.get(k) for k in ("rolling_median", "value", "z"))
+        if len(after) < th.spike_recover_steps or not (base and value and z):
+            continue
+        spread = (value - base) / z  # the robust scale the spike's z was measured with
+        if spread > 0 and (float(np.median(after)) - base) / spread < th.z / 2:
+            a.severity = Severity.INFO
+            a.message += f" (recovered: the next {len(after)} losses are back at the median)"
+    return spikes
+
+
+def _metric_nonfinite(run: Run) -> list[Anomaly]:
+    """The first NaN / Inf *recorded* in each user metric.
+
+    A metric not logged at a step is missing there — its column holds the fill value
+    NaN, which says nothing (HF's Trainer logs ``train/total_flos`` only at the end) — so
+    NaN comes from the NaN/Inf events the Recorder writes when a non-finite value is
+    logged (:class:`traintape.core.rows.NonfiniteEvents`); Inf, which no fill value
+    produces, also from the column itself. System metrics (``sys/*``: traintape's own
+    timings and memory) are never errors."""
+    found: dict[tuple[str, str], Anomaly] = {}
+    logged = set(run.manifest.metrics)
+    for e in run.events():
+        name = e.tensor
+        if (e.kind is not None or name is None or name not in logged or is_system(name)
+                or e.type not in ("nan", "inf")):  # fmt: skip
+            continue
+        key = (str(e.type), name)
+        if key not in found or e.step < found[key].step:
+            found[key] = Anomaly(type=str(e.type), step=int(e.step), tensor=f"metric:{name}",
+                                 severity=Severity.ERROR,
+                                 message=f"first {str(e.type).upper()} in metric {name}",
+                                 evidence=_ev(**{k: v for k, v in e.data.items()}))  # fmt: skip
+    met = run.metrics()
+    for c in met.columns:
+        col = met[c].to_numpy(dtype=np.float64)
+        mask = np.isinf(col)
+        if mask.any() and ("inf", c) not in found:
+            i = int(np.argmax(mask))
+            found[("inf", c)] = Anomaly(type="inf", step=int(met.index[i]), tensor=f"metric:{c}",
+                                        severity=Severity.ERROR,
+                                        message=f"first INF in metric {c}",
+                                        evidence=_ev(steps_affected=int(mask.sum())))  # fmt: skip
+    return sorted(found.values(), key=lambda a: a.step)
 
 
 def _series_z(
@@ -208,6 +289,7 @@ def _series_z(
     layers: list[str | None] | None = None,
     *,
     log: bool = False,
+    min_factor: float = 0.0,
     max_values: int = 4 << 20,
 ) -> list[Anomaly]:
     """Spikes (and drops) of the columns of ``x [rows, col]`` (``what[c]`` names column
@@ -237,7 +319,7 @@ def _series_z(
             value = float(10.0 ** xb[i, c]) if log else float(xb[i, c])
             base = float(lin[i, c])
             undo = (value - base) / (peak[i, c] - base) if peak[i, c] > base else float("inf")
-            warn = up and undo >= th.spike_undo
+            warn = up and undo >= th.spike_undo and (base <= 0 or value >= min_factor * base)
             kind_of = "spike" if up else "drop"
             out.append(
                 Anomaly(
@@ -291,18 +373,25 @@ def anomalies(
     if th.loss_metric in met.columns:
         loss = met[th.loss_metric].to_numpy(dtype=np.float64)
         lsteps = met.index.to_numpy()
-        found += _series_z(["loss"], lsteps, loss[:, None], th, "loss_spike", "loss_drop")
+        logged = ~np.isnan(loss)  # NaN: not logged at that row (a logged NaN is evented)
+        loss, lsteps = loss[logged], lsteps[logged]
+        found += _recovered(
+            _series_z(["loss"], lsteps, loss[:, None], th, "loss_spike", "loss_drop"),
+            lsteps, loss, th,
+        )  # fmt: skip
         fin = np.isfinite(loss)
         if fin.sum() > th.stall_window:
             tail = loss[fin][-th.stall_window :]
             scale = max(abs(tail[0]), 1e-12)
             rel = abs(tail[-1] - tail[0]) / scale
+            head = float(np.median(loss[fin][: th.stall_window]))
+            progress = abs(tail[-1]) < th.stall_progress * abs(head)
             if rel < th.stall_rel and abs(tail[-1]) > 1e-6:
                 found.append(
                     Anomaly(
                         type="stalled",
                         step=int(lsteps[fin][-th.stall_window]),
-                        severity=Severity.WARNING,
+                        severity=Severity.INFO if progress else Severity.WARNING,
                         message=f"loss changed by {rel:.2g} (relative) over the last "
                         f"{th.stall_window} steps",
                         evidence=_ev(relative_change=rel, loss=float(tail[-1])),
@@ -315,11 +404,12 @@ def anomalies(
         with np.errstate(all="ignore"):
             np.log10(g, out=lg, where=g > 0)
         lg[~(g > 0)] = np.nan
-        found += _series_z(
+        spikes = _series_z(
             [f"grad norm of {x}" for x in layers], steps, lg, th, "grad_spike", None,
-            list(layers), log=True,
+            list(layers), log=True, min_factor=th.grad_spike_factor,
         )  # fmt: skip
         del lg
+        found += _spike_consequence(run, cache, spikes, found, th)
 
     if Kind.UPDATE in kinds and Kind.PARAM in kinds:
         steps, ul, u = layer_norms(run, Kind.UPDATE, cache)
@@ -337,12 +427,13 @@ def anomalies(
             ):
                 if mask.any():
                     i = int(np.argmax(mask))
+                    sustained = mask.sum() >= th.update_ratio_frac * max(int(fin.sum()), 1)
                     found.append(
                         Anomaly(
                             type="update_ratio",
                             step=int(steps[i]),
                             layer=layer,
-                            severity=Severity.WARNING,
+                            severity=Severity.WARNING if sustained else Severity.INFO,
                             message=f"update/param ratio {label}: {r[i]:.3g} at {layer} "
                             f"({int(mask.sum())} steps out of range)",
                             evidence=_ev(
@@ -388,6 +479,48 @@ def anomalies(
 
 
 _MEMORY = ("sys/rss_bytes", "sys/gpu_mem_allocated_bytes", "sys/gpu_mem_reserved_bytes")
+
+
+def _spike_consequence(
+    run: Run, cache: StatsCache, spikes: list[Anomaly], found: list[Anomaly], th: AnomalyThresholds
+) -> list[Anomaly]:
+    """Grade warning gradient spikes by what they did to training: one stays a warning
+    when the loss reacts (a warning ``loss_spike`` within ``window`` steps from it) or
+    the layer's update/param ratio at that step is above ``update_ratio_high`` (it threw
+    the weights); otherwise it is info — healthy minibatch training has gradient bursts
+    an optimizer absorbs (corpus: ``bert_from_init`` grows its gradient 15x while the
+    loss starts to fall, ``mlp_adam`` and ``lstm`` have 2-4x spikes). Without a logged
+    loss only the update rule applies; without ``update`` either, spikes stay as graded."""
+    warn = [a for a in spikes if a.severity == Severity.WARNING]
+    if not warn:
+        return spikes
+    loss_steps = np.asarray(sorted(a.step for a in found if a.type == "loss_spike"
+                                   and a.severity == Severity.WARNING), np.int64)  # fmt: skip
+    has_loss = th.loss_metric in run.metrics().columns
+    kinds = set(run.kinds())
+    ratio_at: dict[tuple[str, int], float] = {}
+    if Kind.UPDATE in kinds and Kind.PARAM in kinds:
+        steps, ul, u = layer_norms(run, Kind.UPDATE, cache)
+        _, pl, p = layer_norms(run, Kind.PARAM, cache)
+        ucol, pcol = {x: i for i, x in enumerate(ul)}, {x: i for i, x in enumerate(pl)}
+        row = {int(s): i for i, s in enumerate(np.asarray(steps).tolist())}
+        for a in warn:
+            if a.layer in ucol and a.layer in pcol and a.step in row:
+                i = row[a.step]
+                with np.errstate(all="ignore"):
+                    ratio_at[(a.layer, a.step)] = float(u[i, ucol[a.layer]] / p[i, pcol[a.layer]])
+    elif not has_loss:
+        return spikes
+    for a in warn:
+        near = bool(len(loss_steps)) and bool((np.abs(loss_steps - a.step) <= th.window).any())
+        r = ratio_at.get((a.layer or "", a.step), float("nan"))
+        if near or (np.isfinite(r) and r > th.update_ratio_high):
+            continue
+        if not has_loss and not np.isfinite(r):
+            continue
+        a.severity = Severity.INFO
+        a.message += " (the loss did not react and the weights moved normally: absorbed)"
+    return spikes
 
 
 def _memory_spikes(run: Run, th: AnomalyThresholds) -> list[Anomaly]:
@@ -436,3 +569,18 @@ def _dead_units(run: Run, name: str) -> float | None:
         return None
     flat = a.reshape(-1, a.shape[-1])
     return float((flat == 0).all(axis=0).mean())
+
+
+class AnomaliesAnalysis:
+    """:func:`anomalies` as an :class:`~traintape.analysis.protocol.Analysis`."""
+
+    name = "anomalies"
+
+    def __init__(self, thresholds: AnomalyThresholds | None = None) -> None:
+        self.thresholds = thresholds
+
+    def wants(self, cache: StatsCache) -> None:
+        want_anomalies(cache.run, cache)
+
+    def compute(self, cache: StatsCache) -> AnomalyReport:
+        return anomalies(cache.run, self.thresholds, cache=cache)

@@ -116,6 +116,7 @@ from traintape.analysis._common import (
     tensor_rank,
 )
 from traintape.analysis.change import attention_projection, component
+from traintape.analysis.issues import Issue, IssueType, Severity
 from traintape.schema import Kind, split_name
 from traintape.schema.roles import (
     BIAS_HH,
@@ -225,15 +226,9 @@ class ArchitectureThresholds(BaseModel):
         return self
 
 
-class ArchIssue(BaseModel):
-    """One architecture issue; ``layer`` is the layer, attention, block or stack it is about."""
-
-    type: ArchIssueType
-    severity: Literal["warning", "critical"]
-    layer: str | None
-    message: str
-    recommendation: str
-    evidence: dict[str, Any] = Field(default_factory=dict)
+ArchIssue = Issue
+"""An architecture issue: the one :class:`~traintape.analysis.issues.Issue` model;
+``layer`` is the layer, attention, block or stack it is about."""
 
 
 class UnitGradient(BaseModel):
@@ -320,8 +315,8 @@ def _issue(t: ArchIssueType, severity: str, layer: str | None, msg: str, **ev: A
     clean = {
         k: (finite_float(v) if isinstance(v, float | np.floating) else v) for k, v in ev.items()
     }
-    return ArchIssue(type=t, severity=severity, layer=layer, message=msg,  # type: ignore[arg-type]
-                     recommendation=RECOMMENDATIONS[t], evidence=clean)  # fmt: skip
+    return Issue(type=IssueType(t), severity=Severity(severity), layer=layer, message=msg,
+                 recommendation=RECOMMENDATIONS[t], evidence=clean)  # fmt: skip
 
 
 def _median(series: np.ndarray) -> float | None:
@@ -632,6 +627,7 @@ def _head_balance(
             continue
         norms: dict[str, list[float]] = {}
         ratios: dict[str, float | None] = {}
+        raw: dict[str, float] = {}  # max/min, inf where a head's gradient is exactly 0
         for p in "qkvo":
             if p not in proj:
                 continue
@@ -647,16 +643,19 @@ def _head_balance(
             per = np.sqrt(acc / len(steps))
             norms[p] = [float(v) for v in per]
             ratios[p] = finite_float(per.max() / per.min()) if per.min() > 0 else None
+            if per.max() > 0:
+                raw[p] = float(per.max() / per.min()) if per.min() > 0 else math.inf
         rep.heads.append(HeadBalance(attention=attn, heads=h, heads_source=source, steps=steps,
                                      grad_norm=norms, ratio=ratios))  # fmt: skip
-        worst = max(((p, r) for p, r in ratios.items() if r is not None), key=lambda t: t[1],
-                    default=None)  # fmt: skip
+        worst = max(raw.items(), key=lambda t: t[1], default=None)
         if worst is not None and worst[1] > th.head_ratio:
             p, r = worst
             weakest = int(np.argmin(norms[p]))
+            differ = (f"differ {r:.3g}x" if math.isfinite(r)
+                      else "differ: one is exactly 0, a head that never learns")  # fmt: skip
             rep.issues.append(_issue(
                 "ATTENTION_HEAD_IMBALANCE", "warning", attn,
-                f"{p} gradient norms of its {h} heads differ {r:.3g}x (weakest: head {weakest})",
+                f"{p} gradient norms of its {h} heads {differ} (weakest: head {weakest})",
                 projection=p, ratio=r, weakest_head=weakest, heads=h, heads_source=source,
                 head_grad_norms=norms[p], steps=steps,
             ))  # fmt: skip

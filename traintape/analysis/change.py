@@ -65,6 +65,7 @@ import numpy as np
 from pydantic import BaseModel, Field
 
 from traintape.analysis._common import (
+    LayerGroups,
     ProgressCallback,
     StatsCache,
     TensorSeries,
@@ -72,6 +73,7 @@ from traintape.analysis._common import (
     finite_float,
     layer_norms,
     layer_of,
+    stat_index,
 )
 from traintape.schema import Kind, split_name
 from traintape.schema.roles import LORA, LORA_PARTS
@@ -793,3 +795,30 @@ def change_from_stats(
             else u[:, :0]
         )
     return steps, layers, r
+
+
+def last_row_change(run: Run) -> list[tuple[str, float | None, float | None]]:
+    """The last recorded row's ``(layer, grad norm, ‖update‖/‖param‖)`` per layer (grad's
+    layers first, forward order; None where a kind or value is missing), the layer norms
+    combined as every analysis combines them (:class:`~traintape.analysis._common.LayerGroups`).
+    What ``traintape monitor`` shows while a run is written."""
+    if not run.rows:
+        return []
+    last = slice(run.rows - 1, run.rows)
+    norms: dict[Kind, dict[str, float]] = {}
+    layers: dict[str, None] = {}
+    for kind in (Kind.GRAD, Kind.UPDATE, Kind.PARAM):
+        if kind not in run.kinds():
+            continue
+        groups = LayerGroups(run, kind)
+        l2 = run.stats_array(kind, rows=last)[:, :, stat_index(run, "l2")]
+        norms[kind] = dict(zip(groups.layers, groups.reduce(l2, "norm")[0], strict=True))
+        layers.update(dict.fromkeys(groups.layers))
+    out = []
+    for layer in layers:
+        g = norms.get(Kind.GRAD, {}).get(layer)
+        u, p = norms.get(Kind.UPDATE, {}).get(layer), norms.get(Kind.PARAM, {}).get(layer)
+        ratio = float(u / p) if u is not None and p is not None and p > 0 else None
+        out.append((layer, finite_float(g) if g is not None else None,
+                    finite_float(ratio) if ratio is not None else None))  # fmt: skip
+    return out

@@ -65,240 +65,44 @@ factors as to any layer.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
-from pydantic import BaseModel, Field
 
 from traintape.analysis._common import (
     ProgressCallback,
     Reducer,
     StatsCache,
+    TensorSeries,
     Tracker,
     _quiet,
     column_median,
     finite_float,
+    forward_rank,
     layer_norms,
+    layer_of,
     stat_index,
+    tensor_rank,
 )
-from traintape.analysis.architecture import (
-    ArchitectureReport,
-    ArchitectureThresholds,
-    architecture,
+from traintape.analysis.architecture import architecture
+from traintape.analysis.change import LoraPair, component_of, lora_pairs, lora_scale
+from traintape.analysis.health_model import (
+    HealthReport,
+    HealthThresholds,
+    LayerFacts,
+    LayerHealth,
+    LoraHealth,
+    RunContext,
 )
-from traintape.analysis.change import LoraPair, lora_pairs, lora_scale, qkv_groups
-from traintape.analysis.registry import CheckResult, run_checks
+from traintape.analysis.health_rules import RuleContext, judge
+from traintape.analysis.issues import Issue, IssueType, Severity, Status, worst
+from traintape.analysis.registry import run_checks
 from traintape.schema import Kind
 
 if TYPE_CHECKING:
     from traintape.core.reader import Run
-
-
-class IssueType(StrEnum):
-    VANISHING = "VANISHING"
-    EXPLODING = "EXPLODING"
-    DEAD = "DEAD"
-    SATURATED = "SATURATED"
-    DECAY_WITH_DEPTH = "DECAY_WITH_DEPTH"
-    LAYER_IMBALANCE = "LAYER_IMBALANCE"
-    ATTENTION_QKV_IMBALANCE = "ATTENTION_QKV_IMBALANCE"
-    TURBULENT = "TURBULENT"
-    PRESSURE_SPIKE = "PRESSURE_SPIKE"
-    ACCELERATING = "ACCELERATING"
-    BOTTLENECK = "BOTTLENECK"
-    RESIDUAL_DECAY = "RESIDUAL_DECAY"
-    ATTENTION_FFN_IMBALANCE = "ATTENTION_FFN_IMBALANCE"
-    ATTENTION_HEAD_IMBALANCE = "ATTENTION_HEAD_IMBALANCE"
-    GATE_SATURATION = "GATE_SATURATION"
-    FORGET_GATE_CLOSED = "FORGET_GATE_CLOSED"
-
-
-class Status(StrEnum):
-    HEALTHY = "healthy"
-    WARNING = "warning"
-    CRITICAL = "critical"
-
-
-class HealthThresholds(ArchitectureThresholds):
-    """Documented, configurable thresholds (defaults in parentheses); the fields of
-    :class:`~traintape.analysis.architecture.ArchitectureThresholds` (``bottleneck_ratio``,
-    ``residual_factor``, ``head_ratio``, ``forget_bias_closed``, ...) are fields here too.
-
-    - ``vanishing_rel`` (1e-2) / ``vanishing_rel_critical`` (1e-3): a layer whose
-      ``rel_grad`` is below this fraction of the largest layer's is VANISHING (warning /
-      critical); so is any layer whose median grad norm is below ``vanishing_abs`` (1e-8).
-    - ``exploding_norm`` (1e3): median or max grad norm above this is EXPLODING (critical),
-      as are non-finite gradients; ``exploding_growth`` (100): grad norm growing by this
-      factor from the first to the last quarter of the run is EXPLODING (warning; critical
-      with ``update_ratio`` above ``update_ratio_high``).
-    - ``update_ratio_high`` (0.1): update/param ratio above this is EXPLODING (critical).
-    - ``dead_zero_frac`` (0.99): an activation with this zero fraction, or a layer whose
-      gradients are exactly zero at ``dead_steps_frac`` (0.9) of steps, is DEAD (critical).
-    - ``saturated_frac`` (0.9): a bounded activation (all values in [-1, 1]) whose
-      ``abs_mean`` is above this fraction of its bound, or a [0, 1] activation whose mean
-      is within ``1 − saturated_frac`` of 0 or 1 with std below ``saturated_std`` (0.05),
-      is SATURATED (warning).
-    - ``decay_ratio`` (100): last-layer / first-layer ``rel_grad`` above this is
-      DECAY_WITH_DEPTH (warning; run level).
-    - ``imbalance_ratio`` (1e3): max / min layer ``update_ratio`` above this is
-      LAYER_IMBALANCE (warning; run level).
-    - ``qkv_ratio`` (10): max / min of the q, k, v grad norms of one attention layer above
-      this is ATTENTION_QKV_IMBALANCE (warning).
-
-    Judged per window of steps only (:func:`~traintape.analysis.health_trend`; over a
-    whole run the trend of the gradient norm would dominate them):
-
-    - ``turbulence`` (1.0): a grad-norm coefficient of variation (std/mean over the
-      window's steps) above this is TURBULENT (warning).
-    - ``pressure_spike`` (10): a ``max_pressure`` (largest per-step grad/param norm ratio
-      of the window) above this many times the window's median ``rel_grad`` is
-      PRESSURE_SPIKE (warning).
-    - ``accelerating_growth`` (10) / ``accelerating_t`` (3): a growing grad norm (positive
-      ``velocity``, d ln‖g‖/d step) whose growth rate rises within the window so much that
-      at its end the norm grows this factor more per window than at its start, with the
-      fit's curvature at least ``accelerating_t`` standard errors from 0, is ACCELERATING
-      (warning).
-
-    TURBULENT and PRESSURE_SPIKE are not raised for a layer EXPLODING in that window.
-    """
-
-    vanishing_rel: float = 1e-2
-    vanishing_rel_critical: float = 1e-3
-    vanishing_abs: float = 1e-8
-    exploding_norm: float = 1e3
-    exploding_growth: float = 100.0
-    update_ratio_high: float = 0.1
-    dead_zero_frac: float = 0.99
-    dead_steps_frac: float = 0.9
-    saturated_frac: float = 0.9
-    saturated_std: float = 0.05
-    decay_ratio: float = 100.0
-    imbalance_ratio: float = 1e3
-    qkv_ratio: float = 10.0
-    turbulence: float = 1.0
-    pressure_spike: float = 10.0
-    accelerating_growth: float = 10.0
-    accelerating_t: float = 3.0
-    critical_penalty: float = 60.0
-    warning_penalty: float = 25.0
-
-
-class Issue(BaseModel):
-    """One health issue of a layer (or of the run when ``layer`` is None)."""
-
-    type: IssueType
-    severity: Status
-    layer: str | None = None
-    message: str
-    recommendation: str
-    evidence: dict[str, Any] = Field(default_factory=dict)
-
-
-class LoraHealth(BaseModel):
-    """How a LoRA factor layer is judged: as part of the layer it adapts (module docstring)."""
-
-    part: str = Field(description="lora_A or lora_B")
-    adapted: str = Field(description="the adapted layer (LoraPair.key)")
-    scale: float = Field(description="s of ΔW = s·A·B (1.0 when unknown)")
-    scale_source: str | None = Field(None, description="see change.lora_scale; None: unknown")
-    rel_grad: float | None = Field(
-        None, description="median ‖g‖ / (s·‖partner‖·‖W_base‖), a lower bound of ‖g_W‖/‖W_base‖"
-    )
-    update_ratio: float | None = Field(
-        None, description="median of this factor's share of ‖Δ(s·A·B)‖ / ‖W_base‖ per step"
-    )
-    grad_growth: float | None = Field(
-        None, description="last-quarter / first-quarter ‖g‖ / ‖partner‖"
-    )
-
-
-class LayerHealth(BaseModel):
-    """Health of one layer (medians over recorded steps; None where not recorded)."""
-
-    layer: str
-    depth: int = Field(description="position in forward order, 0 = first")
-    grad_norm: float | None = None
-    grad_norm_cv: float | None = Field(None, description="std/mean of grad norm over steps")
-    rel_grad: float | None = Field(None, description="median grad_norm / param_norm")
-    update_ratio: float | None = Field(None, description="median ‖Δθ‖/‖θ‖ per step")
-    grad_growth: float | None = Field(None, description="last-quarter / first-quarter grad norm")
-    act_zero_frac: float | None = None
-    frozen: bool = Field(False, description="param recorded, no grad: frozen, not judged")
-    lora: LoraHealth | None = Field(None, description="LoRA factors: the effective measures")
-    score: float = 100.0
-    status: Status = Status.HEALTHY
-    issues: list[Issue] = Field(default_factory=list)
-
-
-class HealthReport(BaseModel):
-    url: str
-    steps: int
-    layers: list[LayerHealth]
-    run_issues: list[Issue] = Field(default_factory=list)
-    thresholds: HealthThresholds
-    score: float = Field(description="mean of layer scores, minus run-level penalties")
-    status: Status
-    frozen: list[str] = Field(
-        default_factory=list,
-        description="frozen layers (param without grad, e.g. a LoRA base model): not judged",
-    )
-    architecture: ArchitectureReport | None = Field(
-        None, description="measures of the architecture checks (blocks, heads, gates, ...)"
-    )
-    checks: list[CheckResult] = Field(
-        default_factory=list,
-        description="registered user checks (traintape.analysis.registry); their issues "
-        "count towards status, not score",
-    )
-
-    def issues(self) -> list[Issue]:
-        """All issues, run-level first then per layer in forward order."""
-        return [*self.run_issues, *(i for lh in self.layers for i in lh.issues)]
-
-    def has(self, type: IssueType | str, layer: str | None = None) -> bool:
-        return any(
-            i.type == IssueType(type) and (layer is None or i.layer == layer) for i in self.issues()
-        )
-
-
-_RECO = {
-    IssueType.VANISHING: "gradients barely reach this layer: use ReLU/GELU instead of "
-    "sigmoid/tanh, He/Xavier initialisation, residual connections or normalisation layers",
-    IssueType.EXPLODING: "lower the learning rate, add gradient clipping "
-    "(e.g. clip global norm to 1.0) or learning-rate warm-up; check the loss scale",
-    IssueType.DEAD: "the layer outputs (or receives) only zeros: check bias initialisation, "
-    "use LeakyReLU/GELU, lower the learning rate, or re-initialise the layer",
-    IssueType.SATURATED: "activations sit at the bounds of sigmoid/tanh: normalise inputs, "
-    "add LayerNorm/BatchNorm before the nonlinearity, or scale down initial weights",
-    IssueType.DECAY_WITH_DEPTH: "gradient size decays towards the input layers: add residual "
-    "connections or normalisation, or use per-layer learning rates",
-    IssueType.LAYER_IMBALANCE: "layers learn at very different speeds: use an adaptive "
-    "optimizer (Adam), per-layer learning rates, or normalise layer scales",
-    IssueType.ATTENTION_QKV_IMBALANCE: "q/k/v projections get very different gradients: "
-    "check the attention scaling (1/sqrt(d)), initialisation of q/k, and QK-normalisation",
-    IssueType.TURBULENT: "the gradient norm swings widely from step to step: lower the "
-    "learning rate, increase the batch size (or accumulate gradients), add gradient "
-    "clipping, or raise Adam's epsilon",
-    IssueType.PRESSURE_SPIKE: "a few steps push this layer's weights far harder than the "
-    "rest: clip gradients (global or per-layer norm), look for outlier batches at those "
-    "steps, or lower the learning rate (with warm-up, if the spikes come first thing)",
-    IssueType.ACCELERATING: "the gradient norm grows faster and faster, heading for "
-    "divergence: lower the (peak) learning rate or lengthen warm-up, add gradient "
-    "clipping, and check the loss scale",
-}
-
-
-def _issue(t: IssueType, sev: Status, layer: str | None, msg: str, **evidence: Any) -> Issue:
-    ev = {
-        k: (finite_float(v) if isinstance(v, float | np.floating) else v)
-        for k, v in evidence.items()
-    }
-    return Issue(
-        type=t, severity=sev, layer=layer, message=msg, recommendation=_RECO[t], evidence=ev
-    )
 
 
 def _med(x: np.ndarray) -> float | None:
@@ -412,11 +216,25 @@ def _ratio_reduce(
     return out
 
 
+RUNNING_ROLES = ("running_mean", "running_var")
+
+
+def running_stat_tensors(run: Run) -> list[str]:
+    """The normalisation layers' running statistics recorded as ``param`` (BatchNorm's
+    ``running_mean`` / ``running_var``)."""
+    if Kind.PARAM not in set(run.kinds()):
+        return []
+    return [s.name for s in run.manifest.specs(Kind.PARAM) if s.role in RUNNING_ROLES]
+
+
 def want_health(run: Run, cache: StatsCache) -> None:
     """Declare the stats :func:`health` reads (so a report loads them in one pass)."""
     for kind in (Kind.GRAD, Kind.PARAM, Kind.UPDATE):
         cache.want(kind, "l2", "norm")
     cache.want_reducer(("grad_totals",), GradTotals())
+    running = running_stat_tensors(run)
+    if running:
+        cache.want_reducer(("running_stats",), TensorSeries(Kind.PARAM, running, ("l2", "mean")))
     for stat, how in _ACT_SERIES:
         cache.want(Kind.ACTIVATION, stat, how)
 
@@ -444,6 +262,8 @@ class _Series:
     layers: list[str]
     frozen: set[str] = field(default_factory=set)
     lora: dict[str, _LoraFactor] = field(default_factory=dict)
+    running: dict[str, np.ndarray] = field(default_factory=dict)
+    """Per normalisation layer, its running statistics' ``[rows, tensor, (l2, mean)]``."""
 
 
 @dataclass
@@ -502,20 +322,16 @@ def _load_series(run: Run, cache: StatsCache) -> _Series:
     graded = set(g_layers)
     frozen = {x for x in p_layers if x not in graded} if graded else set()
     lora = _lora_factors(run, p_layers, p) if p is not None else {}
+    running: dict[str, np.ndarray] = {}
+    names = running_stat_tensors(run)
+    if names:
+        vals = cache.result(("running_stats",))
+        for c, name in enumerate(names):
+            layer = layer_of(name)
+            running[layer] = (np.concatenate([running[layer], vals[:, c : c + 1]], axis=1)
+                              if layer in running else vals[:, c : c + 1])  # fmt: skip
     return _Series(steps, g_layers, g, p_layers, p, u_layers, u, a_layers, act, layers,
-                   frozen, lora)  # fmt: skip
-
-
-@dataclass
-class _Facts:
-    """What the rules read per layer besides :class:`LayerHealth`'s fields: non-finite
-    gradient values, fraction of rows with all-zero gradients, activation summary
-    (median zero_frac, abs_mean, mean, std; min of min, max of max) and max grad norm."""
-
-    nonfinite: dict[str, float] = field(default_factory=dict)
-    zero_steps: dict[str, float] = field(default_factory=dict)
-    act: dict[str, dict[str, float | None]] = field(default_factory=dict)
-    gmax: dict[str, float] = field(default_factory=dict)
+                   frozen, lora, running)  # fmt: skip
 
 
 GradTotalsRow = tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -525,10 +341,10 @@ recorded_rows [layer])``."""
 
 def _measure(
     s: _Series, rows: slice, totals: GradTotalsRow | None
-) -> tuple[list[LayerHealth], _Facts]:
+) -> tuple[list[LayerHealth], LayerFacts]:
     """Every layer's measures over the rows ``rows`` of ``s`` (issues not yet judged);
     ``totals``: the grad totals of the same rows."""
-    facts = _Facts()
+    facts = LayerFacts()
     if totals is not None:
         nonfinite, zero_rows, recorded = totals
         for c, layer in enumerate(s.g_layers):
@@ -557,6 +373,20 @@ def _measure(
     gcol = {x: i for i, x in enumerate(s.g_layers)}
     ucol = {x: i for i, x in enumerate(s.u_layers)}
     lora = _lora_measures(s, g, p, u)
+    _update_facts(facts, s, u, p)
+    for layer, vals in s.running.items():
+        v = vals[rows]
+        v = v[np.isfinite(v).all(axis=(1, 2))]
+        if len(v) >= 3:
+            facts.running_frozen[layer] = bool((v == v[0]).all())
+    if g.shape[1]:
+        with _quiet(), np.errstate(all="ignore"):
+            gg = np.asarray(g, np.float64)
+            tot = np.sqrt(np.nansum(gg * gg, axis=1))
+            tot[np.isnan(gg).all(axis=1)] = np.nan
+        facts.global_grad = tot.tolist()
+        facts.grad_series = {x: gg[:, c] for c, x in enumerate(s.g_layers)}
+        facts.grad_steps = np.asarray(s.steps[rows]).tolist()
     out: list[LayerHealth] = []
     for depth, layer in enumerate(s.layers):
         lh = LayerHealth(layer=layer, depth=depth, frozen=layer in s.frozen,
@@ -574,6 +404,30 @@ def _measure(
             lh.act_zero_frac = facts.act[layer]["zero_frac"]
         out.append(lh)
     return out, facts
+
+
+def _update_facts(
+    facts: LayerFacts, s: _Series, u: np.ndarray | None, p: np.ndarray | None
+) -> None:
+    """Per layer with a recorded update over the rows of ``u``: the largest
+    update/param ratio (``umax``) and whether every recorded update is exactly 0
+    (``update_zero``)."""
+    if u is None or not s.u_layers:
+        return
+    umax = _ratio_reduce(u, s.u_layers, p, s.p_layers, s.u_layers, reduce=_col_max)
+    uu = np.asarray(u, np.float64)
+    rec = np.isfinite(uu)
+    zero = (rec.sum(axis=0) > 0) & np.where(rec, uu == 0, True).all(axis=0)
+    for c, layer in enumerate(s.u_layers):
+        if np.isfinite(umax[c]):
+            facts.umax[layer] = float(umax[c])
+        facts.update_zero[layer] = bool(zero[c])
+
+
+def _col_max(x: np.ndarray) -> np.ndarray:
+    """Max over rows of each column, ignoring NaN/Inf (NaN where none is finite)."""
+    with _quiet(), np.errstate(all="ignore"):
+        return np.nanmax(np.where(np.isfinite(x), x, np.nan), axis=0)
 
 
 def _lora_measures(
@@ -622,154 +476,107 @@ def _lora_measures(
     return out
 
 
-def _group(lh: LayerHealth) -> str | None:
-    """Which layers a layer is compared with: its LoRA part, or None (other layers)."""
-    return None if lh.lora is None else lh.lora.part
+CLIP_METRIC = "grad/clip_factor"
+"""The run metric an adapter logs when it sees gradient clipping (docs/store-format.md):
+the applied factor, 1.0 = not clipped."""
 
 
-def _rel(lh: LayerHealth) -> float | None:
-    """The relative gradient the rules read: a LoRA factor's effective one."""
-    return lh.rel_grad if lh.lora is None else lh.lora.rel_grad
+def _metric_at_rows(run: Run, name: str, steps: np.ndarray) -> np.ndarray | None:
+    """The metric ``name`` at each of ``steps`` (NaN where not logged); None if never."""
+    try:
+        df = run.metrics()
+    except Exception:  # a store without metrics
+        return None
+    if name not in getattr(df, "columns", ()):
+        return None
+    col = df[name].astype(float)
+    return np.asarray(col.reindex(np.asarray(steps)).to_numpy(), np.float64)
 
 
-def _upr(lh: LayerHealth) -> float | None:
-    """The update ratio the ratio rules read: a LoRA factor's effective one (None
-    without a recorded base weight: a factor's own ratio is no measure, module docstring)."""
-    return lh.update_ratio if lh.lora is None else lh.lora.update_ratio
+def _clipping(
+    run: Run, s: _Series, facts: LayerFacts, th: HealthThresholds
+) -> tuple[str | None, float]:
+    """``(how, fraction of steps clipped)``: the ``grad/clip_factor`` metric below 1
+    (``"metric"``), or a global grad norm sitting at its maximum at ``clip_capped_frac``
+    of steps (``"capped"``: an adapter that recorded the clipped gradient); else None."""
+    factor = _metric_at_rows(run, CLIP_METRIC, s.steps)
+    if factor is not None:
+        f = factor[np.isfinite(factor)]
+        if len(f):
+            frac = float((f < 1.0 - 1e-6).mean())
+            return ("metric", frac) if frac > 0 else (None, 0.0)
+    g = np.asarray(facts.global_grad, np.float64)
+    g = g[np.isfinite(g)]
+    if len(g) >= 5 and g.max() > 0:
+        frac = float((g >= g.max() * (1 - 1e-3)).mean())
+        if frac >= th.clip_capped_frac:
+            return "capped", frac
+    return None, 0.0
 
 
-def _judge(
-    out: list[LayerHealth], facts: _Facts, th: HealthThresholds, span: str = "the run"
-) -> list[Issue]:
-    """Add each layer's issues to ``out``; return the run-level issues. ``span`` names
-    the steps measured in messages ("the run", "the window"). Frozen layers get no
-    gradient or DEAD issue; LoRA factors are judged by their effective measures, and
-    compared with the same factor of other adapters only (module docstring)."""
-    top_rel: dict[str | None, float] = {}
-    for lh in out:
-        r = _rel(lh)
-        if r is not None and r > 0:
-            top_rel[_group(lh)] = max(r, top_rel.get(_group(lh), 0.0))
-    for lh in out:
-        L = lh.layer
-        nonfinite = facts.nonfinite.get(L, 0.0)
-        ratio, growth = _upr(lh), lh.grad_growth if lh.lora is None else lh.lora.grad_growth
-        if nonfinite > 0:
-            lh.issues.append(_issue(IssueType.EXPLODING, Status.CRITICAL, L,
-                                    f"{int(nonfinite)} non-finite gradient values",
-                                    nonfinite_values=int(nonfinite)))  # fmt: skip
-        elif lh.grad_norm is not None:
-            gmax = facts.gmax.get(L, lh.grad_norm)
-            if lh.grad_norm > th.exploding_norm or gmax > th.exploding_norm:
-                lh.issues.append(_issue(IssueType.EXPLODING, Status.CRITICAL, L,
-                                        f"gradient norm up to {gmax:.3g} (> {th.exploding_norm:g})",
-                                        grad_norm_median=lh.grad_norm, grad_norm_max=gmax))  # fmt: skip
-            elif ratio is not None and ratio > th.update_ratio_high:
-                what = ("effective update ratio (of the adapted layer's weight)"
-                        if lh.lora is not None else "update/param ratio")  # fmt: skip
-                lh.issues.append(_issue(IssueType.EXPLODING, Status.CRITICAL, L,
-                                        f"{what} {ratio:.3g} "
-                                        f"(> {th.update_ratio_high:g}): steps too large",
-                                        update_ratio=ratio, grad_growth=growth))  # fmt: skip
-            elif growth is not None and growth > th.exploding_growth:
-                lh.issues.append(_issue(IssueType.EXPLODING, Status.WARNING, L,
-                                        f"gradient norm grew {growth:.3g}x over {span}",
-                                        grad_growth=growth))  # fmt: skip
-        zero_act = lh.act_zero_frac is not None and lh.act_zero_frac >= th.dead_zero_frac
-        dead_act = zero_act and not lh.frozen
-        dead_grad = facts.zero_steps.get(L, 0.0) >= th.dead_steps_frac
-        rel, top = _rel(lh), top_rel.get(_group(lh))
-        if dead_act or dead_grad:
-            lh.issues.append(_issue(IssueType.DEAD, Status.CRITICAL, L,
-                                    ("activation is zero for "
-                                     f"{100 * (lh.act_zero_frac or 0):.1f}% of values"
-                                     if dead_act else "gradients are exactly zero")
-                                    + (" and gradients are all-zero" if dead_act and dead_grad else ""),
-                                    act_zero_frac=lh.act_zero_frac,
-                                    grad_zero_steps_frac=facts.zero_steps.get(L)))  # fmt: skip
-        elif (
-            nonfinite == 0
-            and lh.grad_norm is not None
-            and (lh.grad_norm < th.vanishing_abs
-                 or (top and rel is not None and rel < th.vanishing_rel * top))
-        ):  # fmt: skip
-            frac = (rel / top) if (top and rel is not None) else 0.0
-            crit = lh.grad_norm < th.vanishing_abs or frac < th.vanishing_rel_critical
-            of = "the largest layer's" if lh.lora is None else f"the largest {lh.lora.part}'s"
-            lh.issues.append(_issue(IssueType.VANISHING, Status.CRITICAL if crit else Status.WARNING, L,
-                                    f"relative gradient {rel or 0:.3g} is {frac:.2g}x "
-                                    f"{of} ({top or 0:.3g})",
-                                    grad_norm=lh.grad_norm, rel_grad=rel,
-                                    fraction_of_max=frac))  # fmt: skip
-        a = facts.act.get(L)
-        if a and a["min"] is not None and a["max"] is not None and a["abs_mean"] is not None:
-            lo, hi = a["min"], a["max"]
-            sat = False
-            if lo >= -1.0 and hi <= 1.0 and lo < 0 and a["abs_mean"] > th.saturated_frac:
-                sat = True
-            if (
-                lo >= 0.0 and hi <= 1.0 and a["mean"] is not None and a["std"] is not None
-                and a["std"] < th.saturated_std
-                and (a["mean"] < 1 - th.saturated_frac or a["mean"] > th.saturated_frac)
-                and not zero_act
-            ):  # fmt: skip
-                sat = True
-            if sat:
-                lh.issues.append(_issue(IssueType.SATURATED, Status.WARNING, L,
-                                        f"bounded activation saturated (mean {a['mean']:.3g}, "
-                                        f"|mean| {a['abs_mean']:.3g}, std {a['std']:.3g})",
-                                        **{k: v for k, v in a.items() if v is not None}))  # fmt: skip
-
-    # ---------------------------------------------------------------- run-level issues
-    run_issues: list[Issue] = []
-    for grp in dict.fromkeys(_group(lh) for lh in out):  # other layers, lora_A, lora_B
-        members = [lh for lh in out if _group(lh) == grp]
-        run_issues += _depth_issues(members, th, "" if grp is None else f"{grp} ")
-    # attention: sibling sub-layers q/k/v under one parent
-    by_layer = {lh.layer: lh for lh in out}
-    for parent, group in qkv_groups(by_layer).items():
-        gn = {s: by_layer[layer].grad_norm for s, layer in group.items()}
-        vals = [v for v in gn.values() if v is not None and v > 0]
-        if len(vals) >= 2 and max(vals) / min(vals) > th.qkv_ratio:
-            iss = _issue(IssueType.ATTENTION_QKV_IMBALANCE, Status.WARNING, parent,
-                         f"q/k/v gradient norms differ {max(vals) / min(vals):.3g}x",
-                         **{f"grad_norm_{k}": v for k, v in gn.items()})  # fmt: skip
-            run_issues.append(iss)
-    return run_issues
+def _adaptive(run: Run, s: _Series) -> bool | None:
+    """Whether the optimizer keeps a second moment: an ``opt_state`` tensor ``*/nu``
+    (Adam-like: True; opt_state without one: False); without opt_state, the median
+    ``‖u‖/‖g‖`` per layer: the same for every layer within 10% (``u = −lr·g``: SGD) gives
+    False, spread over more than 10x (per-parameter step sizes) True; else None."""
+    try:
+        names = run.tensor_names(Kind.OPT_STATE)
+    except Exception:
+        names = []
+    if names:
+        return any(n.rsplit("/", 1)[-1] in ("nu", "nu_max") for n in names)
+    if s.u is None or not s.g_layers:
+        return None
+    common = [x for x in s.u_layers if x in set(s.g_layers)]
+    if len(common) < 2:
+        return None
+    ucol = {x: i for i, x in enumerate(s.u_layers)}
+    gcol = {x: i for i, x in enumerate(s.g_layers)}
+    with _quiet(), np.errstate(all="ignore"):
+        ratio = [np.nanmedian(s.u[:, ucol[x]] / s.g[: len(s.u), gcol[x]]) for x in common]
+    r = np.asarray(ratio, np.float64)
+    r = r[np.isfinite(r) & (r > 0)]
+    if len(r) >= 2 and r.max() / r.min() < 1.1:
+        return False
+    if len(r) >= 2 and r.max() / r.min() > 10:
+        return True  # per-parameter step sizes: ‖u‖ no longer follows ‖g‖
+    return None
 
 
-def _depth_issues(out: list[LayerHealth], th: HealthThresholds, what: str) -> list[Issue]:
-    """DECAY_WITH_DEPTH and LAYER_IMBALANCE among the layers ``out`` (one comparison
-    group; ``what`` names it in messages: "" or "lora_A ")."""
-    run_issues: list[Issue] = []
-    with_rel = [(lh, r) for lh in out if (r := _rel(lh)) is not None and r > 0]
-    if len(with_rel) >= 3:
-        (first, r0), (last, r1) = with_rel[0], with_rel[-1]
-        ratio = r1 / r0
-        if ratio > th.decay_ratio:
-            run_issues.append(_issue(IssueType.DECAY_WITH_DEPTH, Status.WARNING, None,
-                                     f"{what}relative gradient falls {ratio:.3g}x from "
-                                     f"{last.layer!r} back to {first.layer!r}",
-                                     ratio=ratio,
-                                     profile={x.layer: r for x, r in with_rel}))  # fmt: skip
-    ur = [(lh, r) for lh in out if (r := _upr(lh)) is not None and r > 0]
-    if len(ur) >= 2:
-        hi_l, hi = max(ur, key=lambda x: x[1])
-        lo_l, lo = min(ur, key=lambda x: x[1])
-        ratio = hi / lo
-        if ratio > th.imbalance_ratio:
-            run_issues.append(_issue(IssueType.LAYER_IMBALANCE, Status.WARNING, None,
-                                     f"{what}update/param ratio ranges {ratio:.3g}x: "
-                                     f"{hi_l.layer!r} {hi:.3g} vs {lo_l.layer!r} {lo:.3g}",
-                                     ratio=ratio, fastest=hi_l.layer, slowest=lo_l.layer))  # fmt: skip
-    return run_issues
+def _roles(run: Run, layers: list[str]) -> dict[str, str]:
+    """Each layer's component (:func:`~traintape.analysis.change.component_of` of its
+    first parameter or gradient tensor): ``norm``, ``embedding``, ``attention/q``, ..."""
+    out: dict[str, str] = {}
+    want = set(layers)
+    for kind in (Kind.PARAM, Kind.GRAD):
+        if kind not in set(run.kinds()):
+            continue
+        for name in run.tensor_names(kind):
+            layer = layer_of(name)
+            if layer in want and layer not in out:
+                out[layer] = component_of(run.spec(name, kind))
+    return out
 
 
-def _worst(statuses: Iterable[Status]) -> Status:
-    """The most severe of ``statuses`` (healthy when empty)."""
-    sev = set(statuses)
-    return (Status.CRITICAL if Status.CRITICAL in sev
-            else Status.WARNING if Status.WARNING in sev else Status.HEALTHY)  # fmt: skip
+def run_context(run: Run, s: _Series, facts: LayerFacts, th: HealthThresholds) -> RunContext:
+    """The :class:`~traintape.analysis.health_model.RunContext` of ``run`` (what it
+    already does: clipping, optimizer, activations; its length, loss, roles, order)."""
+    how, frac = _clipping(run, s, facts, th)
+    bounded: bool | None = None
+    if facts.act:
+        bounded = any(
+            a["min"] is not None and a["max"] is not None and a["min"] >= -1 and a["max"] <= 1
+            for a in facts.act.values()
+        )
+    loss = _metric_at_rows(run, "loss", s.steps)
+    rank = forward_rank(run)
+    return RunContext(
+        clipping=how, clip_frac=frac, adaptive=_adaptive(run, s),
+        bounded_activations=bounded, steps=len(s.steps),
+        loss=None if loss is None else loss.tolist(), roles=_roles(run, s.layers),
+        order={x: tensor_rank(rank, x + "/_") for x in s.layers},
+        loss_is_epoch_mean="keras" in (run.manifest.producer.adapter or ""),
+    )  # fmt: skip
 
 
 def _score(
@@ -778,13 +585,15 @@ def _score(
     """Set each layer's score and status from its issues; return the run's (score
     rounded to 0.1, status)."""
     for lh in out:
-        pen = sum(th.critical_penalty if i.severity == Status.CRITICAL else th.warning_penalty
+        pen = sum(th.critical_penalty if i.severity == Severity.CRITICAL
+                  else th.warning_penalty if i.severity == Severity.WARNING else 0.0
                   for i in lh.issues)  # fmt: skip
         lh.score = float(max(0.0, 100.0 - pen))
-        lh.status = _worst(i.severity for i in lh.issues)
+        lh.status = worst(i.severity for i in lh.issues)
     score = float(np.mean([lh.score for lh in out])) if out else 100.0
-    score = max(0.0, score - th.warning_penalty / 5 * len(run_issues))
-    status = _worst([*(i.severity for i in run_issues), *(lh.status for lh in out)])
+    judged = [i for i in run_issues if i.severity != Severity.INFO]
+    score = max(0.0, score - th.warning_penalty / 5 * len(judged))
+    status = worst([*(i.severity for i in run_issues), *(lh.status for lh in out)])
     return round(score, 1), status
 
 
@@ -822,18 +631,50 @@ def health(
         totals = (nonfinite[0], zero_rows[0], recorded[0])
     out, facts = _measure(s, slice(None), totals)
     tracker.stage("analysing layers")
-    run_issues = _judge(out, facts, th)
+    ctx = run_context(run, s, facts, th)
+    run_issues = judge(RuleContext(out, facts, th, ctx))
     arch = architecture(run, th, cache=cache)
     by_layer = {lh.layer: lh for lh in out}
     for a in arch.issues:  # a layer's own issue, or run level (attention, block, stack)
-        iss = Issue(type=IssueType(a.type), severity=Status(a.severity), layer=a.layer,
-                    message=a.message, recommendation=a.recommendation, evidence=a.evidence)  # fmt: skip
-        (by_layer[a.layer].issues if a.layer in by_layer else run_issues).append(iss)
+        (by_layer[a.layer].issues if a.layer in by_layer else run_issues).append(a)
     score, status = _score(out, run_issues, th)
     tracker.advance()
     user = run_checks(run) if checks else []
-    status = _worst([status, *(Status(r.status) for r in user if r.status != "error")])
+    status = worst([status, *(r.status for r in user if r.status != "error")])
     return HealthReport(url=run.url, steps=len(s.steps), layers=out, run_issues=run_issues,
                         thresholds=th, score=score, status=status, checks=user,
                         frozen=[x for x in s.layers if x in s.frozen],
+                        clipping=ctx.clipping, clip_frac=ctx.clip_frac,
+                        adaptive_optimizer=ctx.adaptive,
                         architecture=arch)  # fmt: skip
+
+
+class HealthAnalysis:
+    """:func:`health` as an :class:`~traintape.analysis.protocol.Analysis`."""
+
+    name = "health"
+
+    def __init__(self, thresholds: HealthThresholds | None = None, *, checks: bool = True) -> None:
+        self.thresholds, self.checks = thresholds, checks
+
+    def wants(self, cache: StatsCache) -> None:
+        want_health(cache.run, cache)
+
+    def compute(self, cache: StatsCache) -> HealthReport:
+        return health(cache.run, self.thresholds, cache=cache, checks=self.checks)
+
+
+__all__ = [
+    "GradTotals",
+    "HealthAnalysis",
+    "HealthReport",
+    "HealthThresholds",
+    "Issue",
+    "IssueType",
+    "LayerHealth",
+    "LoraHealth",
+    "Status",
+    "health",
+    "run_context",
+    "want_health",
+]

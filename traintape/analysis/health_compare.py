@@ -26,15 +26,9 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, Field
 
 from traintape.analysis._common import ProgressCallback, Tracker
-from traintape.analysis.health import (
-    HealthReport,
-    HealthThresholds,
-    Issue,
-    IssueType,
-    LayerHealth,
-    Status,
-    health,
-)
+from traintape.analysis.health import health
+from traintape.analysis.health_model import HealthReport, HealthThresholds, LayerHealth
+from traintape.analysis.issues import Issue, IssueType, Severity, Status
 
 if TYPE_CHECKING:
     from traintape.core.reader import Run
@@ -163,12 +157,15 @@ def _measure_changes(a: LayerHealth, b: LayerHealth, factor: float) -> list[Meas
 
 
 def _issue_changes(a: list[Issue], b: list[Issue]) -> list[IssueChange]:
-    """Per (type, layer): its severity in B and in A (the worse when one run has several)."""
-    order = {Status.HEALTHY: 0, Status.WARNING: 1, Status.CRITICAL: 2}
+    """Per (type, layer): its severity in B and in A (the worse when one run has several);
+    info issues, which never change a status, are left out."""
+    order = {Severity.WARNING: 1, Severity.CRITICAL: 2}
 
-    def worst(issues: list[Issue]) -> dict[tuple[IssueType, str | None], Issue]:
-        out: dict[tuple[IssueType, str | None], Issue] = {}
+    def worst(issues: list[Issue]) -> dict[tuple[IssueType | str, str | None], Issue]:
+        out: dict[tuple[IssueType | str, str | None], Issue] = {}
         for i in issues:
+            if i.severity == Severity.INFO:
+                continue
             key = (i.type, i.layer)
             if key not in out or order[i.severity] > order[out[key].severity]:
                 out[key] = i

@@ -34,26 +34,23 @@ from traintape.analysis._common import (
     ProgressCallback,
     StatsCache,
     Tracker,
-    _quiet,
-    finite_float,
 )
 from traintape.analysis.health import (
     GradTotals,
-    HealthThresholds,
-    Issue,
-    IssueType,
+    LayerFacts,
     LayerHealth,
-    Status,
-    _issue,
-    _judge,
+    _col_max,
     _load_series,
     _measure,
     _ratio_reduce,
     _score,
     _Series,
-    _worst,
+    run_context,
     want_health,
 )
+from traintape.analysis.health_model import HealthThresholds
+from traintape.analysis.health_rules import RuleContext, judge
+from traintape.analysis.issues import Issue, IssueType, Severity, Status, worst
 
 if TYPE_CHECKING:
     from traintape.core.reader import Run
@@ -74,16 +71,14 @@ class StatusChange(BaseModel):
     step: int
     before: Status
     after: Status
-    issues: list[IssueType] = Field(default_factory=list, description="issues at ``step``")
+    issues: list[IssueType | str] = Field(default_factory=list, description="issues at ``step``")
 
 
-class TrendIssue(Issue):
-    """An issue of one layer (or of the run) over consecutive windows: severity, message
-    and evidence of its worst window (the first of them at that severity)."""
-
-    first_step: int
-    last_step: int
-    windows: int
+TrendIssue = Issue
+"""An issue of one layer (or of the run) over consecutive windows — the one
+:class:`~traintape.analysis.issues.Issue` model with ``first_step``, ``last_step`` and
+``windows`` set: severity, message and evidence of its worst window (the first of them
+at that severity)."""
 
 
 class LayerTrend(BaseModel):
@@ -119,16 +114,20 @@ class HealthTrend(BaseModel):
     @property
     def worst(self) -> Status:
         """The worst status of any window."""
-        return _worst(self.status)
+        return worst(self.status)
 
     def issues(self) -> list[TrendIssue]:
         """All issues, run-level first then per layer in forward order."""
         return [*self.run_issues, *(i for lt in self.layers for i in lt.issues)]
 
-    def has(self, type: IssueType | str, layer: str | None = None) -> bool:
+    def has(self, type: IssueType | str, layer: str | None = None, *, info: bool = False) -> bool:
+        """Whether an issue of ``type`` (on ``layer``, if given) was raised in some window;
+        ``info`` issues count only with ``info=True``."""
         return any(
-            i.type == IssueType(type) and (layer is None or i.layer == layer) for i in self.issues()
-        )
+            i.type == type and (layer is None or i.layer == layer)
+            and (info or i.severity != Severity.INFO)
+            for i in self.issues()
+        )  # fmt: skip
 
     def layer(self, name: str) -> LayerTrend:
         for lt in self.layers:
@@ -147,11 +146,15 @@ def window_rows(steps: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]
     return first, k[first]
 
 
-def default_window(steps: np.ndarray, windows: int = 10) -> int:
+def default_window(steps: np.ndarray, windows: int = 10, min_rows: int = 10) -> int:
     """A round window (1, 2 or 5 × 10^k steps) giving at most about ``windows`` windows
-    over the recorded ``steps``."""
+    over the recorded ``steps``, each holding about ``min_rows`` recorded steps at least
+    (one window for a run shorter than that: no 1-step windows on a 6-step run)."""
     span = int(steps[-1] - steps[0] + 1) if len(steps) else 1
-    raw = max(1, -(-span // windows))
+    per_row = span / max(len(steps), 1)  # steps per recorded row (recording every N)
+    raw = max(1, -(-span // windows), math.ceil(min_rows * per_row))
+    if len(steps) <= min_rows:
+        raw = max(raw, span)
     mag = 10 ** (len(str(raw)) - 1)
     return next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
 
@@ -201,17 +204,13 @@ def _log_quadratic(
     return vel, acc, tstat
 
 
-def _col_max(x: np.ndarray) -> np.ndarray:
-    with _quiet(), np.errstate(all="ignore"):
-        return np.nanmax(np.where(np.isfinite(x), x, np.nan), axis=0)
-
-
-def _window_issues(
-    out: list[LayerHealth], s: _Series, rows: slice, th: HealthThresholds
-) -> dict[str, np.ndarray]:
+def _window_dynamics(
+    out: list[LayerHealth], s: _Series, rows: slice
+) -> tuple[dict[str, np.ndarray], dict[str, dict[str, float]]]:
     """Measure turbulence, max_pressure, velocity and acceleration of every layer of
-    ``out`` over ``rows`` and add the TURBULENT, PRESSURE_SPIKE and ACCELERATING issues;
-    returns the measures per layer of ``s.layers`` (NaN: not measured)."""
+    ``out`` over ``rows``: per measure an array over ``s.layers`` (NaN: not measured),
+    and per layer with a gradient the dict the window rules read
+    (:attr:`~traintape.analysis.health_rules.RuleContext.dynamics`)."""
     t = s.steps[rows]
     g = s.g[rows]
     p = None if s.p is None else s.p[rows]
@@ -222,45 +221,20 @@ def _window_issues(
     res = {
         k: np.full(n, np.nan) for k in ("turbulence", "max_pressure", "velocity", "acceleration")
     }
+    dyn: dict[str, dict[str, float]] = {}
     gcol = {x: i for i, x in enumerate(s.g_layers)}
-    log_growth = math.log(th.accelerating_growth)
     for k, lh in enumerate(out):
-        L = lh.layer
         res["turbulence"][k] = np.nan if lh.grad_norm_cv is None else lh.grad_norm_cv
-        if L not in gcol:
+        if lh.layer not in gcol:
             continue
-        c = gcol[L]
+        c = gcol[lh.layer]
         res["max_pressure"][k], res["velocity"][k], res["acceleration"][k] = (
             pressure[c], vel[c], acc[c],
         )  # fmt: skip
-        exploding = any(i.type == IssueType.EXPLODING for i in lh.issues)
-        cv = lh.grad_norm_cv
-        if not exploding and cv is not None and cv > th.turbulence:
-            lh.issues.append(_issue(IssueType.TURBULENT, Status.WARNING, L,
-                                    f"gradient norm's std is {cv:.3g}x its mean within "
-                                    f"the window (> {th.turbulence:g})",
-                                    turbulence=cv, grad_norm=lh.grad_norm))  # fmt: skip
-        mp, rel = finite_float(pressure[c]), lh.rel_grad
-        if not exploding and mp is not None and rel and mp > th.pressure_spike * rel:
-            lh.issues.append(_issue(IssueType.PRESSURE_SPIKE, Status.WARNING, L,
-                                    f"max grad/param ratio {mp:.3g} is {mp / rel:.3g}x the "
-                                    f"window's median ({rel:.3g})",
-                                    max_pressure=mp, rel_grad=rel))  # fmt: skip
-        a, v = acc[c], vel[c]
-        if np.isfinite(a) and a > 0 and v > 0 and tstat[c] >= th.accelerating_t:
-            v0, v1 = v - a * span / 2, v + a * span / 2
-            if a * span * span >= log_growth:
-                lh.issues.append(_issue(IssueType.ACCELERATING, Status.WARNING, L,
-                                        f"gradient norm accelerating: its growth rate rose "
-                                        f"from {_rate(v0)} to {_rate(v1)} per step",
-                                        velocity=v, acceleration=a, velocity_start=v0,
-                                        velocity_end=v1, t_stat=float(tstat[c])))  # fmt: skip
-    return res
-
-
-def _rate(v: float) -> str:
-    """A growth rate ``d ln x / d step`` as the change per step it means."""
-    return f"{math.expm1(v):+.1%}" if abs(v) < 0.7 else f"×{math.exp(v):.3g}"
+        dyn[lh.layer] = {"max_pressure": float(pressure[c]), "velocity": float(vel[c]),
+                         "acceleration": float(acc[c]), "t_stat": float(tstat[c]),
+                         "span": span, "rows": float(len(t))}  # fmt: skip
+    return res, dyn
 
 
 def _column(x: np.ndarray) -> list[Any]:
@@ -271,32 +245,38 @@ def _column(x: np.ndarray) -> list[Any]:
 
 
 _ORDER = {Status.HEALTHY: 0, Status.WARNING: 1, Status.CRITICAL: 2}
+_RANK = {Severity.INFO: 0, Severity.WARNING: 1, Severity.CRITICAL: 2}
 
 
 def _episodes(per_window: list[list[Issue]], windows: list[StepWindow]) -> list[TrendIssue]:
     """Merge each (layer, type)'s issues of consecutive windows into one episode."""
     done: list[TrendIssue] = []
-    open_: dict[tuple[str | None, IssueType], TrendIssue] = {}
+    open_: dict[tuple[str | None, str], TrendIssue] = {}
     for issues, win in zip(per_window, windows, strict=True):
-        seen: set[tuple[str | None, IssueType]] = set()
+        seen: set[tuple[str | None, str]] = set()
         for i in issues:
-            key = (i.layer, i.type)
+            key = (i.layer, str(i.type))
             if key in seen:
                 continue
             seen.add(key)
             ep = open_.get(key)
             if ep is None:
-                ep = TrendIssue(**i.model_dump(), first_step=win.first_step,
-                                last_step=win.last_step, windows=1)  # fmt: skip
+                ep = i.model_copy(update={"first_step": win.first_step,
+                                          "last_step": win.last_step, "windows": 1})  # fmt: skip
                 open_[key] = ep
                 continue
-            ep.last_step, ep.windows = win.last_step, ep.windows + 1
-            if _ORDER[i.severity] > _ORDER[ep.severity]:
+            ep.last_step, ep.windows = win.last_step, (ep.windows or 0) + 1
+            if _RANK[i.severity] > _RANK[ep.severity]:
                 ep.severity, ep.message, ep.evidence = i.severity, i.message, i.evidence
         for key in [k for k in open_ if k not in seen]:
             done.append(open_.pop(key))
     done.extend(open_.values())
-    return sorted(done, key=lambda e: e.first_step)
+    return sorted(done, key=lambda e: e.first_step or 0)
+
+
+def _whole_facts(s: _Series) -> LayerFacts:
+    """The whole-run facts :func:`run_context` reads (the global grad norm)."""
+    return _measure(s, slice(None), None)[1]
 
 
 def health_trend(
@@ -334,6 +314,7 @@ def health_trend(
     cache.load()
     s = _load_series(run, cache)
     totals = cache.result(("grad_totals", window)) if s.g_layers else None
+    ctx = run_context(run, s, _whole_facts(s), th)
     ends = [*starts[1:].tolist(), run.rows][: len(starts)]
     windows = [
         StepWindow(index=int(k), first_step=int(s.steps[a]), last_step=int(s.steps[b - 1]),
@@ -354,8 +335,9 @@ def health_trend(
         rows = slice(a, b)
         tot = None if totals is None else (totals[0][w], totals[1][w], totals[2][w])
         out, facts = _measure(s, rows, tot)
-        r_issues = _judge(out, facts, th, span="the window")
-        dyn = _window_issues(out, s, rows, th)
+        dyn, per_layer = _window_dynamics(out, s, rows)
+        r_issues = judge(RuleContext(out, facts, th, ctx, span="the window", window=True,
+                                     dynamics=per_layer, loss_rows=rows))  # fmt: skip
         score, st = _score(out, r_issues, th)
         for k in names[:4]:
             cols[k][w] = [np.nan if getattr(lh, k) is None else getattr(lh, k) for lh in out]
@@ -374,7 +356,7 @@ def health_trend(
     by_layer: dict[str | None, list[TrendIssue]] = {}
     for e in episodes:
         by_layer.setdefault(e.layer, []).append(e)
-    types_at: dict[tuple[int, str], list[IssueType]] = {}
+    types_at: dict[tuple[int, str], list[IssueType | str]] = {}
     for w, issues in enumerate(layer_issues):
         for i in issues:
             types_at.setdefault((w, i.layer or ""), []).append(i.type)
@@ -395,3 +377,25 @@ def health_trend(
     return HealthTrend(url=run.url, window=window, steps=run.rows, windows=windows,
                        status=run_status, score=run_score, layers=layers,
                        run_issues=_episodes(run_issues, windows), thresholds=th)  # fmt: skip
+
+
+class HealthTrendAnalysis:
+    """:func:`health_trend` as an :class:`~traintape.analysis.protocol.Analysis`
+    (``window``: steps per window; None: :func:`default_window` of the run)."""
+
+    name = "health_trend"
+
+    def __init__(
+        self, window: int | None = None, thresholds: HealthThresholds | None = None
+    ) -> None:
+        self.window, self.thresholds = window, thresholds
+
+    def _window(self, run: Run) -> int:
+        th = self.thresholds or HealthThresholds()
+        return self.window or default_window(run.steps, min_rows=th.trend_min_rows)
+
+    def wants(self, cache: StatsCache) -> None:
+        want_health_trend(cache.run, cache, self._window(cache.run))
+
+    def compute(self, cache: StatsCache) -> HealthTrend:
+        return health_trend(cache.run, self._window(cache.run), self.thresholds, cache=cache)

@@ -46,6 +46,8 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from pydantic import BaseModel, Field, ValidationError, computed_field
 
+from traintape.analysis.issues import Issue
+
 if TYPE_CHECKING:
     from traintape.core.reader import Run
 
@@ -53,19 +55,13 @@ ENTRY_POINT_GROUP = "traintape.checks"
 """The entry-point group whose entries are checks (see the module docstring)."""
 
 CheckSeverity = Literal["info", "warning", "critical"]
+CheckKind = Literal["check", "metric", "rule"]
 CheckStatus = Literal["healthy", "warning", "critical", "error"]
 
 
-class CheckIssue(BaseModel):
-    """One finding of a check: how bad, where (a layer or tensor; None: the run), what,
-    and what to do."""
-
-    severity: CheckSeverity = "warning"
-    layer: str | None = Field(None, description="layer or tensor; None: the whole run")
-    message: str
-    recommendation: str = ""
-    step: int | None = Field(None, description="the step it concerns, if one")
-    evidence: dict[str, Any] = Field(default_factory=dict)
+CheckIssue = Issue
+"""A check's finding: the one :class:`~traintape.analysis.issues.Issue` model (``type``
+defaults to the check's name)."""
 
 
 class CheckResult(BaseModel):
@@ -105,13 +101,21 @@ class Check:
 
     name: str
     fn: Callable[..., Any]
-    kind: Literal["check", "metric"] = "check"
+    kind: CheckKind = "check"
     description: str = ""
     source: str = "decorator"
-    """``decorator`` or ``entry point <value>``."""
+    """``decorator``, ``entry point <value>`` or ``built-in``."""
+    thresholds: tuple[str, ...] = ()
+    """A built-in rule's thresholds (fields of ``HealthThresholds``, ``-t NAME=VALUE``)."""
+    scope: Literal["run", "window", "both"] = "both"
+    """A built-in rule: judged over the whole run, per window of health over time, or both."""
 
 
 _REGISTRY: dict[str, Check] = {}
+_RULES: dict[str, Check] = {}
+"""The built-in health rules (kind ``rule``): registered by :func:`register` like user
+checks, kept apart so that user-check registries (and tests that swap them) never drop
+them; :func:`traintape.analysis.health` runs them on its measures, not on the run."""
 _LOAD_ERRORS: dict[str, str] = {}  # entry point name → why it could not be loaded
 _loaded = False
 
@@ -127,10 +131,12 @@ def register(
     fn: Callable[..., Any],
     name: str | None = None,
     *,
-    kind: Literal["check", "metric"] = "check",
+    kind: CheckKind = "check",
     description: str | None = None,
     replace: bool = True,
     source: str = "decorator",
+    thresholds: tuple[str, ...] = (),
+    scope: Literal["run", "window", "both"] = "both",
 ) -> Check:
     """Register ``fn(run) -> CheckResult`` under ``name`` (default: its ``__name__``).
 
@@ -146,11 +152,36 @@ def register(
     name = name if name is not None else getattr(fn, "__name__", "")
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"a check needs a non-empty name, got {name!r}")
-    if not replace and name in _REGISTRY and _REGISTRY[name].fn is not fn:
-        raise ValueError(f"a check named {name!r} is already registered")
-    c = Check(name=name, fn=fn, kind=kind, description=_describe(fn, description), source=source)
-    _REGISTRY[name] = c
+    table = _RULES if kind == "rule" else _REGISTRY
+    if not replace and name in table and table[name].fn is not fn:
+        raise ValueError(f"a {kind} named {name!r} is already registered")
+    c = Check(name=name, fn=fn, kind=kind, description=_describe(fn, description),
+              source=source, thresholds=tuple(thresholds), scope=scope)  # fmt: skip
+    table[name] = c
     return c
+
+
+def rule(
+    name: str,
+    *,
+    thresholds: tuple[str, ...] = (),
+    scope: Literal["run", "window", "both"] = "both",
+) -> Callable[[F], F]:
+    """Decorator registering a built-in health rule ``fn(ctx) -> list[Issue]`` (``ctx``:
+    :class:`~traintape.analysis.health_rules.RuleContext`) under ``name``, with the
+    threshold names it reads; its docstring says what it detects and names the corpus
+    cases that justify the thresholds. Returns the function unchanged."""
+
+    def deco(fn: F) -> F:
+        register(fn, name, kind="rule", source="built-in", thresholds=thresholds, scope=scope)
+        return fn
+
+    return deco
+
+
+def rules() -> dict[str, Check]:
+    """The registered built-in health rules by name, in registration order."""
+    return dict(_RULES)
 
 
 @overload
@@ -268,7 +299,10 @@ def run_check(run: Run, c: Check) -> CheckResult:
             res = CheckResult(error=f"returned {type(out).__name__}, expected a CheckResult")
     except ValidationError as e:
         res = CheckResult(error=f"returned an invalid result: {_err(e)}")
-    res.name, res.kind = c.name, c.kind
+    res.name, res.kind = c.name, ("metric" if c.kind == "metric" else "check")
+    for i in res.issues:
+        if i.type == "CHECK":
+            i.type = c.name
     res.description = res.description or c.description
     res.seconds = time.perf_counter() - t0
     return res
@@ -312,6 +346,8 @@ __all__ = [
     "metric",
     "register",
     "registered",
+    "rule",
+    "rules",
     "run_check",
     "run_checks",
     "unregister",

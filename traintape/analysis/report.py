@@ -18,45 +18,26 @@ into an issue tracker.
 
 from __future__ import annotations
 
-import base64
 import html
-import io
 from typing import TYPE_CHECKING
-
-import numpy as np
 
 from traintape.analysis._common import (
     ProgressCallback,
-    StatsCache,
-    TensorSeries,
-    Tracker,
-    _quiet,
-    layer_norms,
     layer_of,
-    natural_key,
 )
-from traintape.analysis.anomalies import AnomalyReport, anomalies, want_anomalies
+from traintape.analysis.anomalies import AnomalyReport
 from traintape.analysis.change import (
     LoraDelta,
     ParameterChange,
-    change_from_stats,
-    param_snapshot_steps,
-    parameter_change,
 )
-from traintape.analysis.health import HealthReport, LayerHealth, health, want_health
+from traintape.analysis.health import HealthReport, LayerHealth
 from traintape.analysis.health_trend import (
     HealthTrend,
-    default_window,
-    health_trend,
-    want_health_trend,
 )
 from traintape.analysis.registry import CheckResult
-from traintape.schema import Kind
+from traintape.analysis.summary import RunSummary, summarize
 
 if TYPE_CHECKING:
-    import pandas as pd
-    from matplotlib.figure import Figure
-
     from traintape.core.reader import Run
 
 _CSS = """
@@ -106,15 +87,6 @@ def _status_td(status: str) -> str:
     return f'<td class="{_e(status)}" data-sort="{_RANK.get(status, 0)}">{_e(status)}</td>'
 
 
-def _png(fig: Figure) -> str:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
-
-
 def _img(src: str, alt: str) -> str:
     return f'<img src="{src}" alt="{html.escape(alt)}">'
 
@@ -127,179 +99,10 @@ def _fmt(v: float | None) -> str:
     return "–" if v is None else f"{v:.3g}"
 
 
-HEATMAP_ROWS = 96
-"""Most layer rows a heatmap draws (more layers are averaged in consecutive groups)."""
-HEATMAP_COLS = 1200
-"""Most step columns a heatmap draws (more steps are averaged in consecutive bins)."""
-
-
-def _bin_mean(z: np.ndarray, axis: int, most: int) -> tuple[np.ndarray, np.ndarray]:
-    """Mean (NaN-aware) over consecutive groups along ``axis`` so at most ``most``
-    remain; also each group's first index."""
-    n = z.shape[axis]
-    if n <= most:
-        return z, np.arange(n)
-    k = -(-n // most)
-    starts = np.arange(0, n, k)
-    pad = len(starts) * k - n
-    zz = np.moveaxis(z, axis, 0)
-    zz = np.concatenate([zz, np.full((pad, *zz.shape[1:]), np.nan, dtype=zz.dtype)])
-    zz = zz.reshape(len(starts), k, *zz.shape[1:])
-    with np.errstate(all="ignore"), _quiet():
-        out = np.nanmean(zz, axis=1)
-    return np.moveaxis(out, 0, axis), starts
-
-
-def _heatmap(steps: np.ndarray, layers: list[str], values: np.ndarray, title: str) -> str:
-    """log10 of ``values [rows, layer]`` as layer × step; large runs are averaged (in
-    log space) into at most :data:`HEATMAP_ROWS` × :data:`HEATMAP_COLS` cells, so the
-    figure's size and memory do not grow with the run."""
-    import matplotlib.pyplot as plt
-
-    with np.errstate(all="ignore"):
-        z = np.log10(np.where(values > 0, values, np.nan).astype(np.float32)).T
-    z, _ = _bin_mean(z, 1, HEATMAP_COLS)
-    z, first = _bin_mean(z, 0, HEATMAP_ROWS)
-    if len(first) < len(layers):
-        ends = [*(first[1:] - 1), len(layers) - 1]
-        labels = [f"{layers[a]} … {layers[b]}" if b > a else layers[a]
-                  for a, b in zip(first, ends, strict=True)]  # fmt: skip
-        title += f" ({len(layers)} layers in {len(labels)} groups)"
-    else:
-        labels = list(layers)
-    fig, ax = plt.subplots(figsize=(11, 0.35 * len(labels) + 1.6))
-    ext = (
-        (float(steps[0]) - 0.5, float(steps[-1]) + 0.5, len(labels) - 0.5, -0.5)
-        if len(steps)
-        else None
-    )
-    im = ax.imshow(
-        np.ma.masked_invalid(z), aspect="auto", cmap="viridis", interpolation="nearest", extent=ext
-    )
-    ax.set_yticks(range(len(labels)))
-    ax.set_yticklabels(labels, fontsize=8)
-    ax.set_xlabel("step")
-    ax.set_title(title)
-    fig.colorbar(im, ax=ax, label="log10")
-    return _png(fig)
-
-
-def _curves_fig(
-    frame: pd.DataFrame,
-    titles: dict[str, str] | None = None,
-    scale: dict[str, float] | None = None,
-    marks: dict[str, list[int]] | None = None,
-    per_row: int = 3,
-) -> str | None:
-    """One small line plot per column of ``frame`` (index = step), ``per_row`` a row;
-    ``titles``/``scale`` rename and rescale columns, ``marks`` draws vertical lines at
-    steps of a column (e.g. memory spikes). None when ``frame`` has no columns."""
-    import matplotlib.pyplot as plt
-
-    cols = list(frame.columns)
-    if not cols:
-        return None
-    n_rows = -(-len(cols) // per_row)
-    width = min(len(cols), per_row)
-    fig, axes = plt.subplots(n_rows, width, figsize=(min(5 * width, 15), 3 * n_rows), squeeze=False)
-    for ax in axes.flat[len(cols) :]:
-        ax.set_visible(False)
-    for ax, c in zip(axes.flat, cols, strict=False):
-        s = frame[c].dropna() * (scale or {}).get(c, 1.0)
-        ax.plot(s.index, s.to_numpy(), lw=1.5)
-        if len(s) and (s > 0).all() and s.max() / max(s.min(), 1e-30) > 50:
-            ax.set_yscale("log")
-        else:
-            ax.ticklabel_format(axis="y", useOffset=False)  # values as they are, no "+2.26e4"
-        for step in (marks or {}).get(c, []):
-            ax.axvline(step, color="#c0392b", lw=1, ls="--")
-        ax.set_title((titles or {}).get(c, c))
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    return _png(fig)
-
-
-def _metrics_fig(run: Run) -> str | None:
-    return _curves_fig(run.metrics())
-
-
-_SYSTEM_UNITS: dict[str, tuple[str, float]] = {
-    "sys/step_time": ("step time (s)", 1.0),
-    "sys/samples_per_s": ("samples / s", 1.0),
-    "sys/cpu_percent": ("process CPU (%)", 1.0),
-    "sys/rss_bytes": ("RSS (MiB)", 2.0**-20),
-    "sys/mem_available_bytes": ("host memory available (MiB)", 2.0**-20),
-    "sys/gpu_mem_allocated_bytes": ("GPU memory allocated (MiB)", 2.0**-20),
-    "sys/gpu_mem_reserved_bytes": ("GPU memory reserved (MiB)", 2.0**-20),
-    "sys/gpu_util_percent": ("GPU utilisation (%)", 1.0),
-    "sys/bytes_written": ("traintape bytes written (MiB)", 2.0**-20),
-}
-"""System metrics the report plots (title, factor); ``sys/time`` is not plotted."""
-
-
-def _system_fig(run: Run, an: AnomalyReport) -> str | None:
-    """Step time, throughput, CPU, memory (with ``memory_spike`` anomalies marked), GPU
-    and bytes written, one plot each, for the system metrics the run has."""
-    sysm = run.system()
-    cols = [c for c in _SYSTEM_UNITS if c in sysm.columns and sysm[c].notna().any()]
-    marks: dict[str, list[int]] = {}
-    for a in an.of_type("memory_spike"):
-        marks.setdefault(str(a.evidence.get("metric")), []).append(a.step)
-    return _curves_fig(
-        sysm[cols],
-        titles={c: _SYSTEM_UNITS[c][0] for c in cols},
-        scale={c: _SYSTEM_UNITS[c][1] for c in cols},
-        marks=marks,
-    )
-
-
-_WEIGHT_STATS = ("mean", "std", "min", "max")
-
-
-def _weight_tensors(run: Run, max_tensors: int = 8) -> list[str]:
-    """The param tensors whose distributions the report draws (kernels first)."""
-    names = run.tensor_names(Kind.PARAM)
-    pick = [n for n in names if n.endswith(("kernel", "embedding", "kernel_ih"))] or names
-    return sorted(pick, key=natural_key)[:max_tensors]
-
-
-def _weights_fig(run: Run, cache: StatsCache, max_tensors: int = 8) -> str | None:
-    import matplotlib.pyplot as plt
-
-    if Kind.PARAM not in run.kinds() or not run.rows:
-        return None
-    pick = _weight_tensors(run, max_tensors)
-    data = cache.result(("weights", tuple(pick)))  # [rows, tensor, (mean, std, min, max)]
-    steps = run.steps[: data.shape[0]]
-    cols = min(4, len(pick))
-    rows = int(np.ceil(len(pick) / cols))
-    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 2.6 * rows), squeeze=False)
-    for k, n in enumerate(pick):
-        ax = axes[k // cols][k % cols]
-        mean, std = data[:, k, 0], data[:, k, 1]
-        ax.fill_between(
-            steps,
-            data[:, k, 2],
-            data[:, k, 3],
-            alpha=0.15,
-            label="min..max",
-        )
-        ax.fill_between(steps, mean - std, mean + std, alpha=0.4, label="mean±std")
-        ax.plot(steps, mean, lw=1)
-        ax.set_title(n, fontsize=8)
-        ax.tick_params(labelsize=7)
-    for k in range(len(pick), rows * cols):
-        axes[k // cols][k % cols].axis("off")
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    return _png(fig)
-
-
 def _health_html(h: HealthReport) -> str:
     rows = []
     for lh in h.layers:
-        iss = "; ".join(f"{i.type.value}: {i.message}" for i in lh.issues) or ""
+        iss = "; ".join(f"{i.type}: {i.message}" for i in lh.issues) or ""
         rows.append(
             f'<tr><td data-sort="{lh.depth}">{_e(lh.layer)}</td><td>{lh.score:.0f}</td>'
             f"{_status_td(lh.status.value)}<td>{_fmt(lh.grad_norm)}</td>"
@@ -307,14 +110,15 @@ def _health_html(h: HealthReport) -> str:
             f"<td>{_fmt(lh.act_zero_frac)}</td><td>{_e(iss)}</td></tr>"
         )
     run_iss = "".join(
-        f'<li class="{i.severity.value}">{_e(i.type.value)}: {_e(i.message)} — '
+        f'<li class="{i.severity.value}">{_e(i.type)}: {_e(i.message)} — '
         f'<span class="muted">{_e(i.recommendation)}</span></li>'
         for i in h.run_issues
     )
     recos = "".join(
-        f"<li><b>{_e(i.type.value)}</b> ({_e(i.layer)}): {_e(i.recommendation)}</li>"
-        for lh in h.layers
-        for i in lh.issues[:1]
+        f'<li class="{r.severity.value}"><b>{_e(r.type)}</b> ({_e(", ".join(r.layers))}): '
+        f"{_e(r.recommendation)}</li>"
+        for r in h.recommendations()
+        if r.severity != "info"
     )
     head = ["layer", "score", "status", "grad norm", "grad/param", "update/param",
             "act zero frac", "issues"]  # fmt: skip
@@ -402,7 +206,7 @@ def _layer_details(
             parts.append(
                 "<ul>"
                 + "".join(
-                    f'<li class="{i.severity.value}">{_e(i.type.value)}: {_e(i.message)} — '
+                    f'<li class="{i.severity.value}">{_e(i.type)}: {_e(i.message)} — '
                     f'<span class="muted">{_e(i.recommendation)}</span>'
                     + (f"<br><code>{_e(_evidence(i.evidence))}</code>" if i.evidence else "")
                     + "</li>"
@@ -467,7 +271,7 @@ def _layer_details(
         out.append(
             f"<details><summary><span class='{st}'>{_MARK[st]} {_e(st)}</span> "
             f"<b>{_e(lh.layer)}</b> — score {lh.score:.0f}"
-            + (f", {_e(', '.join(i.type.value for i in lh.issues))}" if lh.issues else "")
+            + (f", {_e(', '.join(i.type for i in lh.issues))}" if lh.issues else "")
             + (" (frozen)" if lh.frozen else "")
             + f"</summary><div class='body'>{''.join(parts)}</div></details>"
         )
@@ -496,7 +300,6 @@ def _layer_measures(lh: LayerHealth) -> str:
     return f"<table>{cells}</table>" if cells else "<p class='muted'>Nothing measured.</p>"
 
 
-TREND_WINDOWS = 10
 """About how many windows of steps the report's health-over-time table has."""
 
 _MARK = {"healthy": "·", "warning": "▲", "critical": "✖"}
@@ -512,24 +315,24 @@ def _trend_html(tr: HealthTrend) -> str:
     for lt in tr.layers:
         cells = []
         for w, st in zip(tr.windows, lt.status, strict=True):
-            types = [i.type.value for i in lt.issues
-                     if i.first_step <= w.first_step and w.last_step <= i.last_step]  # fmt: skip
+            types = [str(i.type) for i in lt.issues
+                     if (i.first_step or 0) <= w.first_step <= w.last_step <= (i.last_step or 0)]  # fmt: skip
             tip = ", ".join(types) or st.value
             cells.append(f'<td class="{st.value}" title="{_e(tip)}">{_MARK[st.value]}</td>')
         rows.append(f"<tr><td>{_e(lt.layer)}</td>{''.join(cells)}</tr>")
     changes = "".join(
         f"<li>{_e(lt.layer)}: <span class='{c.before.value}'>{c.before.value}</span> → "
         f"<span class='{c.after.value}'>{c.after.value}</span> at step {c.step}"
-        + (f" ({_e(', '.join(i.value for i in c.issues))})" if c.issues else "")
+        + (f" ({_e(', '.join(str(i) for i in c.issues))})" if c.issues else "")
         + "</li>"
         for lt in tr.layers
         for c in lt.changes
     )
     issues = "".join(
-        f'<li class="{i.severity.value}">{_e(i.type.value)} {_e(i.layer or "run")}, steps '
+        f'<li class="{i.severity.value}">{_e(i.type)} {_e(i.layer or "run")}, steps '
         f"{i.first_step}..{i.last_step}: {_e(i.message)} — "
         f'<span class="muted">{_e(i.recommendation)}</span></li>'
-        for i in sorted(tr.issues(), key=lambda i: i.first_step)
+        for i in sorted(tr.issues(), key=lambda i: i.first_step or 0)
     )
     return (
         f"<h3>Health over time (windows of {tr.window} steps; columns: first step)</h3>"
@@ -566,10 +369,8 @@ def _anomalies_html(a: AnomalyReport, limit: int = 100) -> str:
     return first + _table(head, rows) + more
 
 
-def _change_html(run: Run, cache: StatsCache) -> tuple[str, str | None, ParameterChange]:
-    import matplotlib.pyplot as plt
-
-    pc = parameter_change(run, max_pairs=20, progress=cache.tracker.child(), cache=cache)
+def _change_html(pc: ParameterChange) -> str:
+    """The parameter-change tables: per snapshot pair, and LoRA's effective update."""
     parts = []
     if pc.pairs:
         thr = [f"{t:g}" for t in pc.thresholds]
@@ -588,21 +389,9 @@ def _change_html(run: Run, cache: StatsCache) -> tuple[str, str | None, Paramete
         parts.append("<p>From full snapshots (Δ = θ_new − θ_old):</p>" + _table(head, rows))
     if pc.lora is not None and pc.lora.per_layer:
         parts.append(_lora_html(pc.lora))
-    steps, layers, r = change_from_stats(run, cache)
-    fig_src = None
-    if layers and len(steps):
-        fig, ax = plt.subplots(figsize=(11, 3))
-        for c, layer in enumerate(layers[:12]):
-            ax.plot(steps, r[:, c], lw=1, label=layer)
-        ax.set_yscale("log")
-        ax.set_xlabel("step")
-        ax.set_title("per-step relative change ‖update‖/‖param‖ by layer")
-        ax.legend(fontsize=7, ncol=4)
-        ax.grid(alpha=0.3)
-        fig_src = _png(fig)
     if not parts:
         parts.append("<p class='muted'>No param snapshots: change shown from stats only.</p>")
-    return "".join(parts), fig_src, pc
+    return "".join(parts)
 
 
 LORA_ROWS = 40
@@ -651,112 +440,91 @@ def _lora_html(d: LoraDelta) -> str:
 _FIGURES = 5  # metrics, grad heatmap, ratio heatmap, weights, change curves
 
 
-def render_report(run: Run, *, progress: ProgressCallback | None = None) -> str:
-    """The HTML text of the report of ``run``.
+def render_report(
+    run: Run, *, progress: ProgressCallback | None = None, tensors: str | None = None
+) -> str:
+    """The HTML text of the report of ``run``: :func:`to_html` of its
+    :func:`~traintape.analysis.summary.summarize` (with figures).
 
     ``progress(stage, done, total)`` is called as work is done: a unit is one row block of
     a stats array read (each is read once, shared by all sections), one figure, one
     analysis (health, anomalies) and one tensor of a snapshot pair (parameter change).
+    ``tensors``: ``fnmatch`` pattern of the tensors whose grad and param distributions
+    over time are drawn from snapshots (default: the kernels).
     """
     import matplotlib
 
     matplotlib.use("Agg", force=False)
-    tracker = Tracker(progress)
-    cache = StatsCache(run, tracker)
-    # every section's stats are declared first, so each array is read once
-    window = default_window(run.steps, TREND_WINDOWS)
-    want_health_trend(run, cache, window)
-    want_anomalies(run, cache)
-    if Kind.PARAM in run.kinds():
-        pick = _weight_tensors(run)
-        cache.want_reducer(("weights", tuple(pick)), TensorSeries(Kind.PARAM, pick, _WEIGHT_STATS))
-    tracker.add(cache.pending_blocks() + _FIGURES)
-    cache.load()
-    m = run.manifest
-    p = m.producer
-    steps = run.steps
-    span = f"{int(steps[0])}..{int(steps[-1])}" if len(steps) else "none"
-    info = (
-        "<table>"
-        + "".join(
-            f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>"
-            for k, v in [
-                ("store", run.url),
-                ("run id", m.run_id),
-                ("status", m.status),
-                (
-                    "producer",
-                    f"{p.framework or 'numpy'} {p.framework_version or ''} ({p.adapter or 'Recorder'})",
-                ),
-                ("steps", f"{run.rows} rows, steps {span}"),
-                (
-                    "tensors",
-                    ", ".join(f"{k.value}: {len(run.tensor_names(k))}" for k in run.kinds()),
-                ),
-                ("metrics", ", ".join(m.metrics)),
-                ("events", len(m.events)),
-            ]
-        )
-        + "</table>"
+    return to_html(summarize(run, figures=True, tensors=tensors, progress=progress))
+
+
+def _figure(summary: RunSummary, name: str, alt: str, missing: str) -> str:
+    src = summary.figures.get(name)
+    return _img(src, alt) if src else f"<p>{missing}</p>"
+
+
+def _distributions(summary: RunSummary) -> str:
+    """The value distributions over time of the chosen tensors (from snapshots)."""
+    parts = [
+        _img(src, f"{kind} distributions")
+        for kind in ("grad", "param")
+        if (src := summary.figures.get(f"{kind}_distribution"))
+    ]
+    if not parts:
+        return "<p class='muted'>No tensor with two snapshot steps: no distributions.</p>"
+    return "<h3>Value distributions over time (snapshots)</h3>" + "".join(parts)
+
+
+def _single_metrics_html(single: dict[str, tuple[int, float]]) -> str:
+    """Metrics logged once, as a table (no empty one-point chart)."""
+    if not single:
+        return ""
+    rows = [f"<tr><td>{_e(k)}</td><td>{step}</td><td>{value:.6g}</td></tr>"
+            for k, (step, value) in single.items()]  # fmt: skip
+    return "<p>Logged at one step only:</p>" + _table(["metric", "step", "value"], rows)
+
+
+def to_html(summary: RunSummary) -> str:
+    """The self-contained HTML report of a :class:`~traintape.analysis.summary.RunSummary`
+    (pure: no reading, no analysis)."""
+    h, an, tr = summary.health, summary.anomalies, summary.trend
+    info = "<table>" + "".join(
+        f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in summary.info
+    ) + "</table>"  # fmt: skip
+    sys_fig = summary.figures.get("system")
+    system = (
+        _img(sys_fig, "system metrics")
+        + "<p class='muted'>Dashed lines: memory spikes (anomalies).</p>"
+        if sys_fig
+        else "<p>No system metrics recorded.</p>"
     )
-    body = [f"<h1>traintape report — {_e(m.run_id)}</h1>", "<h2>Run</h2>", info]
-    tracker.stage("figures")
-    mf = _metrics_fig(run)
-    tracker.advance()
-    body.append("<h2>Metrics</h2>" + (_img(mf, "metric curves") if mf else "<p>No metrics.</p>"))
-    system_at = len(body)  # the system section goes here once anomalies are known
-    body.append("<h2>Gradient norm by layer</h2>")
-    if Kind.GRAD in run.kinds() and run.rows:
-        s, layers, g = layer_norms(run, Kind.GRAD, cache)
-        body.append(
-            _img(_heatmap(s, layers, g, "gradient L2 norm (log10), layer × step"), "grad heatmap")
-        )
-    else:
-        body.append("<p>No gradients recorded.</p>")
-    tracker.advance()
-    body.append("<h2>Update / param ratio by layer</h2>")
-    s, layers, r = change_from_stats(run, cache)
-    if layers and run.rows:
-        body.append(
-            _img(_heatmap(s, layers, r, "‖update‖/‖param‖ (log10), layer × step"), "ratio heatmap")
-        )
-    else:
-        body.append("<p>Needs param and update kinds.</p>")
-    tracker.advance()
-    wf = _weights_fig(run, cache)
-    tracker.advance()
-    body.append(
+    pc = summary.change
+    change = _change_html(pc) if pc is not None else ""
+    change_fig = summary.figures.get("change")
+    body = [
+        f"<h1>traintape report — {_e(summary.run_id)}</h1>", "<h2>Run</h2>", info,
+        "<h2>Metrics</h2>" + _figure(summary, "metrics", "metric curves", "No metric curves.")
+        + _single_metrics_html(summary.single_metrics),
+        "<h2>System</h2>" + system,
+        "<h2>Gradient norm by layer</h2>"
+        + _figure(summary, "grad_heatmap", "grad heatmap", "No gradients recorded.")
+        + (_img(lines, "grad norm lines") if (lines := summary.figures.get("grad_lines")) else ""),
+        "<h2>Update / param ratio by layer</h2>"
+        + _figure(summary, "ratio_heatmap", "ratio heatmap", "Needs param and update kinds."),
         "<h2>Weight distributions over steps</h2>"
-        + (_img(wf, "weights") if wf else "<p>No params.</p>")
-    )
-    h = health(run, cache=cache)
-    tr = health_trend(run, window, cache=cache)
-    body.append("<h2>Health</h2>" + _health_html(h) + _trend_html(tr))
-    body.append("<h2>Checks</h2>" + _checks_html(h.checks))
-    an = anomalies(run, cache=cache)
-    body.append("<h2>Anomalies</h2>" + _anomalies_html(an))
-    sf = _system_fig(run, an)
-    body.insert(
-        system_at,
-        "<h2>System</h2>"
-        + (
-            _img(sf, "system metrics") + "<p class='muted'>Dashed lines: memory spikes "
-            "(anomalies).</p>"
-            if sf
-            else "<p>No system metrics recorded.</p>"
-        ),
-    )
-    ch, chf, pc = _change_html(run, cache)
-    tracker.advance()
-    body.append("<h2>Parameter change</h2>" + ch + (_img(chf, "parameter change") if chf else ""))
-    body.append(
+        + _figure(summary, "weights", "weights", "No params.")
+        + _distributions(summary),
+        "<h2>Health</h2>" + _health_html(h) + (_trend_html(tr) if tr is not None else ""),
+        "<h2>Checks</h2>" + _checks_html(h.checks),
+        "<h2>Anomalies</h2>" + _anomalies_html(an),
+        "<h2>Parameter change</h2>" + change
+        + (_img(change_fig, "parameter change") if change_fig else ""),
         "<h2>Layers</h2><p class='muted'>Each layer's detail (click to open).</p>"
-        + _layer_details(h, tr, an, pc, h.checks)
-    )
-    tracker.finish()
+        + _layer_details(h, tr, an, pc, h.checks),
+    ]  # fmt: skip
     return (
         "<!DOCTYPE html><html><head><meta charset='utf-8'>"
-        f"<title>traintape report {_e(m.run_id)}</title><style>{_CSS}</style></head><body>"
+        f"<title>traintape report {_e(summary.run_id)}</title><style>{_CSS}</style></head><body>"
         + "\n".join(body)
         + f"<script>{_SORT_JS}</script></body></html>\n"
     )
@@ -796,7 +564,7 @@ def _md_health(h: HealthReport) -> list[str]:
             ["layer", "status", "score", "grad norm", "grad/param", "update/param", "issues"],
             [[_md(lh.layer), lh.status.value, f"{lh.score:.0f}", _fmt(lh.grad_norm),
               _fmt(lh.rel_grad), _fmt(lh.update_ratio),
-              _md(", ".join(i.type.value for i in lh.issues))] for lh in shown],
+              _md(", ".join(i.type for i in lh.issues))] for lh in shown],
         )  # fmt: skip
     if len(layers) > len(shown):
         lines += ["", f"… {len(layers) - len(shown)} more layers, all healthy, not shown."]
@@ -804,12 +572,16 @@ def _md_health(h: HealthReport) -> list[str]:
     if issues:
         lines += ["", "Issues:", ""]
         lines += [
-            f"- **{i.severity.value}** {i.type.value} ({_md(i.layer or 'run')}): "
-            f"{_md(i.message)} — {_md(i.recommendation)}"
+            f"- **{i.severity.value}** {i.type} ({_md(i.layer or 'run')}): {_md(i.message)}"
             for i in issues[:MD_LAYERS]
         ]
         if len(issues) > MD_LAYERS:
             lines.append(f"- … {len(issues) - MD_LAYERS} more")
+    recs = [r for r in h.recommendations() if r.severity != "info"]
+    if recs:
+        lines += ["", "Recommendations (each once, with the layers it applies to):", ""]
+        lines += [f"- {r.type} ({_md(', '.join(r.layers))}): {_md(r.recommendation)}"
+                  for r in recs]  # fmt: skip
     return lines
 
 
@@ -843,7 +615,7 @@ def _md_anomalies(a: AnomalyReport) -> list[str]:
     return lines
 
 
-def _md_change(run: Run, h: HealthReport, pc: ParameterChange | None) -> list[str]:
+def _md_change(h: HealthReport, pc: ParameterChange | None) -> list[str]:
     """The layers that changed most: from the first to the last param snapshot, else
     (stats only) by median update/param ratio."""
     if pc is not None and pc.pairs:
@@ -869,54 +641,39 @@ def _md_change(run: Run, h: HealthReport, pc: ParameterChange | None) -> list[st
 
 
 def render_markdown(run: Run, *, progress: ProgressCallback | None = None) -> str:
-    """A Markdown summary of ``run`` to paste into an issue tracker: run info, the health
-    table (layers with issues first, at most :data:`MD_LAYERS`) and issues, the
-    registered checks, an anomalies summary (at most :data:`MD_ANOMALIES`) and the
-    :data:`MD_TOP` layers that changed most (first to last param snapshot; without
-    snapshots, by update/param ratio). Text from the store is escaped.
+    """A Markdown summary of ``run`` to paste into an issue tracker: :func:`to_markdown`
+    of its :func:`~traintape.analysis.summary.summarize`.
 
     ``progress(stage, done, total)``: a unit is one row block of a stats array read, one
     analysis, one tensor of the snapshot pair."""
-    tracker = Tracker(progress)
-    cache = StatsCache(run, tracker)
-    want_health(run, cache)
-    want_anomalies(run, cache)
-    tracker.add(cache.pending_blocks())
-    cache.load()
-    m, p = run.manifest, run.manifest.producer
-    steps = run.steps
-    span = f"{int(steps[0])}..{int(steps[-1])}" if len(steps) else "none"
-    h = health(run, cache=cache)
-    a = anomalies(run, cache=cache)
-    snaps = param_snapshot_steps(run)
-    pc = None
-    if len(snaps) >= 2:
-        pc = parameter_change(run, steps=(snaps[0], snaps[-1]), cache=cache,
-                              progress=tracker.child())  # fmt: skip
-    info = [
-        ("store", run.url), ("run id", m.run_id), ("status", m.status),
-        ("producer", f"{p.framework or 'numpy'} {p.framework_version or ''} "
-                     f"({p.adapter or 'Recorder'})"),
-        ("steps", f"{run.rows} rows, steps {span}"),
-        ("tensors", ", ".join(f"{k.value}: {len(run.tensor_names(k))}" for k in run.kinds())),
-        ("metrics", ", ".join(m.metrics) or "none"), ("events", str(len(m.events))),
-    ]  # fmt: skip
-    lines = [f"## traintape report: {_md(m.run_id)}", ""]
-    lines += _md_table(["", ""], [[k, _md(v)] for k, v in info])
+    return to_markdown(summarize(run, progress=progress))
+
+
+def to_markdown(summary: RunSummary) -> str:
+    """The Markdown summary of a :class:`~traintape.analysis.summary.RunSummary` (pure):
+    run info, the health table (layers with issues first, at most :data:`MD_LAYERS`),
+    issues and each recommendation once, the registered checks, an anomalies summary (at
+    most :data:`MD_ANOMALIES`) and the :data:`MD_TOP` layers that changed most (first to
+    last param snapshot; without snapshots, by update/param ratio). Text from the store
+    is escaped."""
+    h = summary.health
+    lines = [f"## traintape report: {_md(summary.run_id)}", ""]
+    lines += _md_table(["", ""], [[k, _md(v)] for k, v in summary.info])
     lines += ["", "### Health", "", *_md_health(h)]
     if h.checks:
         lines += ["", "### Checks", "", *_md_checks(h.checks)]
-    lines += ["", "### Anomalies", "", *_md_anomalies(a)]
-    lines += ["", "### Largest parameter changes", "", *_md_change(run, h, pc)]
-    tracker.finish()
+    lines += ["", "### Anomalies", "", *_md_anomalies(summary.anomalies)]
+    lines += ["", "### Largest parameter changes", "", *_md_change(h, summary.change)]
     return "\n".join(lines) + "\n"
 
 
-def write_report(run: Run, out: str, *, progress: ProgressCallback | None = None) -> str:
+def write_report(
+    run: Run, out: str, *, progress: ProgressCallback | None = None, tensors: str | None = None
+) -> str:
     """Write the report of ``run`` to ``out`` (one self-contained HTML file); returns out.
 
-    ``progress``: see :func:`render_report`."""
-    text = render_report(run, progress=progress)
+    ``progress``, ``tensors``: see :func:`render_report`."""
+    text = render_report(run, progress=progress, tensors=tensors)
     with open(out, "w", encoding="utf-8") as f:
         f.write(text)
     return out
