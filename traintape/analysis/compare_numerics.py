@@ -96,6 +96,13 @@ FLOAT64_TOLERANCES: dict[str, tuple[float, float]] = {
 }  # fmt: skip
 """The lower bound of fp64 mode: the conformance suite's float64 column (atol, rtol)."""
 
+ASSUMED_EPS = 1e-8
+"""Adam's ε where the store does not say (torch, optax and most trainers default to 1e-8;
+Keras 1e-7: a larger ε only lowers the true gain, so assuming 1e-8 errs loose)."""
+ELEMENT_ROUNDING = 4.0
+"""An element's gradient rounding, in units of ``u · rms(grad)`` of its tensor (a few
+roundings of terms of the tensor's typical size)."""
+
 SECOND_MOMENTS = frozenset({"nu", "exp_avg_sq", "v", "velocity"})
 """``opt_state`` fields that are running means of g² (their error is relative to g)."""
 FIRST_MOMENTS = ("mu", "trace", "momentum", "exp_avg", "m")

@@ -19,6 +19,8 @@ import numpy as np
 from traintape.analysis.compare_judge import Judge, judged_mask, stat_tolerances
 from traintape.analysis.compare_models import KindNumerics
 from traintape.analysis.compare_numerics import (
+    ASSUMED_EPS,
+    ELEMENT_ROUNDING,
     FIRST_MOMENTS,
     NOISE_FACTOR,
     SECOND_MOMENTS,
@@ -67,6 +69,7 @@ class Block:
     rtol: np.ndarray  # [n]
     within: np.ndarray  # [n, T] within noise in both runs
     grad_allow: np.ndarray | None = None  # [n, T] grad: allowed l2 difference δg
+    elem_extra: np.ndarray | None = None  # [n, T] update: per-element Adam allowance
 
 
 @dataclass
@@ -162,6 +165,16 @@ class _Grad:
     allow: np.ndarray  # [n] δg: the l2 difference the grad comparison allows
     within: np.ndarray  # [n]
     l2: np.ndarray  # [2, n]
+    rms: np.ndarray  # [n] l2 / sqrt(numel), the larger run
+
+
+def _abs_max(blk: Block, labels: list[str], t: int) -> np.ndarray:
+    """[n] the largest |element| of tensor t in either run (from min and max)."""
+    cols = [labels.index(c) for c in ("min", "max") if c in labels]
+    if not cols:
+        return np.full(blk.a.shape[0], np.nan)
+    v = np.abs(np.concatenate([blk.a[:, t, cols], blk.b[:, t, cols]], axis=1))
+    return np.fmax.reduce(v, axis=1)
 
 
 class StatsPass:
@@ -177,6 +190,7 @@ class StatsPass:
         grads: dict[str, _Grad] = {}
         moments: dict[str, np.ndarray] = {}
         allow_u: dict[str, np.ndarray] = {}
+        second: dict[str, np.ndarray] = {}
         for kind in ORDER:
             plan = self.plans.get(kind)
             if plan is None:
@@ -187,23 +201,37 @@ class StatsPass:
                 blk.grad_allow = (
                     blk.atol + blk.rtol[:, None] * lmax + np.where(blk.within, blk.floor, 0.0)
                 )
+                rms = lmax / np.sqrt(plan.numel)[None, :]
                 for t, n in enumerate(plan.names):
-                    grads[n] = _Grad(blk.grad_allow[:, t], blk.within[:, t], blk.l2[:, :, t])
+                    grads[n] = _Grad(
+                        blk.grad_allow[:, t], blk.within[:, t], blk.l2[:, :, t], rms[:, t]
+                    )
             elif kind == Kind.OPT_STATE:
-                self._opt_state(plan, blk, grads, moments)
+                self._opt_state(plan, blk, grads, moments, second)
             elif kind == Kind.UPDATE:
-                self._update(plan, blk, grads, moments, allow_u)
+                self._update(plan, blk, grads, moments)
+                self._adam(plan, blk, grads, second)
+                lmax = np.fmax.reduce(blk.l2, axis=0)
+                allow = np.where(blk.within, 2.0 * lmax, blk.atol + blk.rtol[:, None] * lmax)
+                allow = np.where(np.isfinite(allow), allow, 0.0)
+                allow_u.update({n: allow[:, t] for t, n in enumerate(plan.names)})
             elif kind == Kind.PARAM:
                 self._param(plan, blk, allow_u)
             self._judge(plan, blk, steps)
 
-    def _opt_state(self, plan: KindPlan, blk: Block, grads: dict, moments: dict) -> None:
+    def _opt_state(
+        self, plan: KindPlan, blk: Block, grads: dict, moments: dict, second: dict
+    ) -> None:
         for t, n in enumerate(plan.names):
             param, _, fld = n.rpartition("/")
             g = grads.get(param)
             if fld in FIRST_MOMENTS and (param not in moments or
                                          FIRST_MOMENTS.index(fld) < moments[param][1]):  # fmt: skip
                 moments[param] = (blk.l2[:, :, t], FIRST_MOMENTS.index(fld))
+            if fld in SECOND_MOMENTS and "min" in self.cols.labels:
+                lo = np.minimum(blk.a[:, t, self.cols.labels.index("min")],
+                                blk.b[:, t, self.cols.labels.index("min")])  # fmt: skip
+                second[param] = np.maximum(lo, 0.0)
             if g is None:
                 continue
             blk.within[:, t] |= g.within
@@ -219,9 +247,7 @@ class StatsPass:
                     extra = gain(blk.l2[:, :, t], g.l2) * g.allow
             blk.atol[:, t] += np.where(np.isfinite(extra), extra, 0.0)
 
-    def _update(
-        self, plan: KindPlan, blk: Block, grads: dict, moments: dict, allow_u: dict
-    ) -> None:
+    def _update(self, plan: KindPlan, blk: Block, grads: dict, moments: dict) -> None:
         s = plan.summary
         for t, n in enumerate(plan.names):
             g = grads.get(n)
@@ -234,9 +260,33 @@ class StatsPass:
                 if s is not None and gn.size and float(gn.max()) > (s.max_gain or 0.0):
                     s.max_gain = float(gn.max())
                     s.gain_from = "opt_state" if m is not None else "grad"
-            lmax = np.fmax.reduce(blk.l2[:, :, t], axis=0)
-            allow = np.where(blk.within[:, t], 2.0 * lmax, blk.atol[:, t] + blk.rtol * lmax)
-            allow_u[n] = np.where(np.isfinite(allow), allow, 0.0)
+
+    def _adam(self, plan: KindPlan, blk: Block, grads: dict, second: dict) -> None:
+        """Adam-like updates (an ``opt_state`` second moment recorded): the element with
+        the smallest ``v`` amplifies its gradient's rounding most, by lr/(√v + ε). lr is
+        estimated per step as the largest |update| of those tensors (Adam's |update| is
+        at most about lr), ε as :data:`ASSUMED_EPS`; an element's rounding as
+        ``ELEMENT_ROUNDING · u · rms(grad)``. The per-element allowance (at most 2·lr)
+        widens the snapshots' atol, and ``sqrt(numel)`` times it the stats'."""
+        idx = [t for t, n in enumerate(plan.names) if n in second and n in grads]
+        if not idx:
+            return
+        lr = np.fmax.reduce(np.stack([_abs_max(blk, self.cols.labels, t) for t in idx]), axis=0)
+        u = plan.precision.unit_roundoff
+        blk.elem_extra = np.zeros_like(blk.atol)
+        for t in idx:
+            n = plan.names[t]
+            gain_max = lr / (np.sqrt(second[n]) + ASSUMED_EPS)
+            e = np.minimum(gain_max * ELEMENT_ROUNDING * u * grads[n].rms, 2.0 * lr)
+            e = np.where(np.isfinite(e), e, 0.0)
+            blk.elem_extra[:, t] = e
+            blk.atol[:, t] += e * np.sqrt(plan.numel[t])
+            s = plan.summary
+            if s is not None and gain_max.size and float(np.nanmax(gain_max)) > (s.max_gain or 0.0):
+                s.max_gain, s.gain_from = (
+                    float(np.nanmax(gain_max)),
+                    "opt_state (Adam: lr/(sqrt(v)+eps))",
+                )
 
     def _param(self, plan: KindPlan, blk: Block, allow_u: dict) -> None:
         for t, n in enumerate(plan.names):
@@ -260,11 +310,11 @@ class StatsPass:
             d = j.d
             d.steps_one_sided += int(one_sided[:, t].sum())
             for i in keep:
-                self.snap[(plan.kind, d.tensor, int(steps[i]))] = (
-                    float(blk.atol[i, t]),
-                    float(blk.rtol[i]),
-                    bool(blk.within[i, t]),
-                )
+                snap_atol = float(blk.atol[i, t])
+                if blk.elem_extra is not None:  # per element, not the stats' sqrt(numel)
+                    snap_atol -= float(blk.elem_extra[i, t]) * (np.sqrt(plan.numel[t]) - 1.0)
+                key = (plan.kind, d.tensor, int(steps[i]))
+                self.snap[key] = (snap_atol, float(blk.rtol[i]), bool(blk.within[i, t]))
             if not m.any():
                 continue
             within = blk.within[m, t]
