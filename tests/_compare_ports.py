@@ -13,7 +13,8 @@ PyTorch, AdamW with weight decay after global-norm clipping at 1.0.
 
 ``bug`` plants one porting mistake in the torch model: ``'no_mask'`` (causal mask
 missing), ``'scale_1_over_d'`` (logits scaled by 1/d instead of 1/sqrt(d_head)),
-``'transposed_q'`` (the q kernel applied transposed: square, so shapes cannot tell),
+``'transposed_q'`` (block 0's q kernel loaded transposed: square, so shapes cannot
+tell),
 ``'decay_norms'`` (LLaMA: weight decay on the RMSNorm scales in torch only).
 """
 
@@ -89,10 +90,7 @@ def torch_gpt(bug: str | None = None) -> Any:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             b, t, _ = x.shape
             dh = D // HEADS
-            if bug == "transposed_q":
-                q = F.linear(x, self.q.weight.T, self.q.bias)
-            else:
-                q = self.q(x)
+            q = self.q(x)
 
             def split(y: torch.Tensor) -> torch.Tensor:
                 return y.reshape(b, t, HEADS, dh).transpose(1, 2)
@@ -148,7 +146,10 @@ def train_torch_gpt(url: str, bug: str | None = None, snapshots: bool = True) ->
     torch.manual_seed(0)
     torch.use_deterministic_algorithms(True)
     model = torch_gpt(bug)
-    ttt.from_canonical(model, gpt_weights(), strict=True)
+    w = gpt_weights()
+    if bug == "transposed_q":  # the port loads the (square) q kernel without transposing
+        w["blocks/0/attn/q/kernel"] = np.ascontiguousarray(w["blocks/0/attn/q/kernel"].T)
+    ttt.from_canonical(model, w, strict=True)
     x, y = gpt_batches()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     with traintape.Recorder(url, policy(snapshots)) as rec, ttt.watch(model, rec) as handle:
@@ -263,4 +264,99 @@ def train_nnx_gpt(url: str, snapshots: bool = True) -> None:
 
         for t in range(STEPS):
             loss = step(model, opt, x[t], y[t])
+            rec.log(t, loss=float(jax.device_get(loss)))
+
+
+# ----------------------------------------------------------------------------- LLaMA
+ADAMW = dict(lr=2e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1)
+CLIP = 1.0
+LLAMA_STEPS = 6
+
+
+def _llama_setup() -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # conformance/
+    from conformance import spec as S
+
+    w = S.initial_weights("llm", "float32")
+    x, y = S.batches("llm", "float32")
+    return w, x, y
+
+
+def train_torch_llama(url: str, bug: str | None = None, clip: float = CLIP) -> None:
+    """conformance's ``llm`` block in torch, AdamW (decay off for norm scales) after
+    ``clip_grad_norm_(clip)``; ``bug='decay_norms'``: decay on the scales too."""
+    import torch
+    import torch.nn.functional as F
+
+    import traintape.torch as ttt
+    from conformance import models_torch
+
+    torch.manual_seed(0)
+    torch.use_deterministic_algorithms(True)
+    w, x, y = _llama_setup()
+    model = models_torch.LLMBlock()
+    ttt.from_canonical(model, w, strict=True)
+    norms = {id(p) for m in model.modules() if isinstance(m, torch.nn.RMSNorm)
+             for p in m.parameters()}  # fmt: skip
+    decay = [p for p in model.parameters() if bug == "decay_norms" or id(p) not in norms]
+    rest = [p for p in model.parameters() if all(p is not q for q in decay)]
+    hp = ADAMW
+    opt = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}],
+                            lr=hp["lr"], betas=(hp["b1"], hp["b2"]), eps=hp["eps"],
+                            weight_decay=hp["weight_decay"])  # fmt: skip
+    with (
+        traintape.Recorder(url, policy(opt_state=True)) as rec,
+        ttt.watch(model, rec, optimizer=opt),
+    ):
+        for t in range(LLAMA_STEPS):
+            opt.zero_grad()
+            loss = F.mse_loss(model(torch.from_numpy(x[t])), torch.from_numpy(y[t]))
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            rec.log(t, loss=float(loss.detach()))
+
+
+def train_linen_llama(url: str, clip: float = CLIP) -> None:
+    """conformance's ``llm`` block in Flax Linen, ``optax.chain(clip_by_global_norm,
+    adamw(mask: no decay on norm scales))``."""
+    import jax
+    import optax
+
+    import traintape.jax as ttj
+    from conformance import models_jax
+
+    w, x, y = _llama_setup()
+    model = models_jax.linen_model("llm", "float32")
+    params = models_jax.linen_variables(w)["params"]
+    hp = ADAMW
+
+    def mask(p: Any) -> Any:
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: getattr(path[-1], "key", "") != "scale", p
+        )
+
+    tx = optax.chain(
+        optax.clip_by_global_norm(clip),
+        optax.adamw(hp["lr"], b1=hp["b1"], b2=hp["b2"], eps=hp["eps"],
+                    weight_decay=hp["weight_decay"], mask=mask),
+    )  # fmt: skip
+    with traintape.Recorder(url, policy(opt_state=True)) as rec:
+        tx = ttj.watch(tx, rec)
+        vg = ttj.value_and_grad(
+            lambda p, xb, yb: ((model.apply({"params": p}, xb) - yb) ** 2).mean(), recorder=rec
+        )
+
+        @jax.jit
+        def step(p: Any, o: Any, xb: Any, yb: Any) -> Any:
+            loss, g = vg(p, xb, yb)
+            u, o = tx.update(g, o, p)
+            return optax.apply_updates(p, u), o, loss
+
+        opt_state = tx.init(params)
+        for t in range(LLAMA_STEPS):
+            params, opt_state, loss = step(params, opt_state, x[t], y[t])
             rec.log(t, loss=float(jax.device_get(loss)))
