@@ -358,14 +358,12 @@ def compare(
     kinds = sorted(set(ra.kinds()) & set(rb.kinds()), key=lambda k: KIND_RANK[k])
     plans = _plans(ra, rb, kinds, exclude, tols, fixed, prec, gone)
     tracker = Tracker(progress)
-    tracker.add(-(-n_common // block_rows) + 1)
+    tracker.add(-(-n_common // block_rows) * len(plans) + 1)
     if snapshots:
         tracker.add(sum(len(p.names) for p in plans.values() if _has_snapshots(ra, rb, p.kind)))
     sp = StatsPass(plans, cols)
-    tracker.stage("stats")
     for rows, steps, pos in _row_blocks(ra.steps, rb.steps, block_rows):
-        sp.block(ra, rb, rows, steps, pos)
-        tracker.advance()
+        sp.block(ra, rb, rows, steps, pos, tracker)
     judges = [j for k in kinds if k in plans for j in plans[k].judges]
     if snapshots:
         for kind in kinds:

@@ -33,6 +33,7 @@ from traintape.analysis.compare_numerics import (
 from traintape.schema import Kind
 
 if TYPE_CHECKING:
+    from traintape.analysis._common import Tracker
     from traintape.core.reader import Run
 
 ORDER = (Kind.GRAD, Kind.OPT_STATE, Kind.UPDATE, Kind.PARAM, Kind.ACTIVATION)
@@ -186,7 +187,15 @@ class StatsPass:
         self.carry: dict[str, float] = {}
         self.snap: dict[tuple[Kind, str, int], tuple[float, float, bool]] = {}
 
-    def block(self, ra: Run, rb: Run, rows: tuple, steps: np.ndarray, position: np.ndarray) -> None:
+    def block(
+        self,
+        ra: Run,
+        rb: Run,
+        rows: tuple,
+        steps: np.ndarray,
+        position: np.ndarray,
+        tracker: Tracker | None = None,
+    ) -> None:
         grads: dict[str, _Grad] = {}
         moments: dict[str, np.ndarray] = {}
         allow_u: dict[str, np.ndarray] = {}
@@ -195,6 +204,8 @@ class StatsPass:
             plan = self.plans.get(kind)
             if plan is None:
                 continue
+            if tracker is not None:
+                tracker.stage(f"{kind.value} stats")
             blk = read_block(ra, rb, plan, self.cols, rows, position)
             if kind == Kind.GRAD:
                 lmax = np.fmax.reduce(blk.l2, axis=0)
@@ -218,6 +229,8 @@ class StatsPass:
             elif kind == Kind.PARAM:
                 self._param(plan, blk, allow_u)
             self._judge(plan, blk, steps)
+            if tracker is not None:
+                tracker.advance()
 
     def _opt_state(
         self, plan: KindPlan, blk: Block, grads: dict, moments: dict, second: dict
