@@ -15,15 +15,26 @@ suite uses). Either way it reports
   run only are listed in ``not_compared`` (never silently ignored), and metadata hints
   (layer kind, role, layer path of a shared tensor, manifest fields such as the policy
   or user metadata) become notes. ``strict=True`` counts all of them as differences.
-- **numeric** differences per (tensor, kind) over the common steps: max absolute and max
-  relative error of the stat vectors and of the snapshots, the minimum cosine similarity of
-  snapshots, and the first step at which the tensor leaves tolerance; metrics likewise.
-  A value ``a`` (run A) agrees with ``b`` (run B) when ``|a − b| <= atol + rtol·|b|``;
-  NaN agrees with NaN and ±Inf with the same Inf. The layout signature ``sig`` is
-  scale-free (a signed sum over ``l2``: its absolute error is about the data's relative
-  error), so it is held to ``|a − b| <= max(atol, rtol) + rtol·|b|``. Statistics one
-  store does not record (``sig`` in a store older than schema 1.4.0) are skipped, with
-  a note.
+- **numeric** differences per (tensor, kind) over the common steps, each number named
+  by the statistic behind it: max absolute error, max relative error (only where the
+  relative part of the tolerance dominates, so never an absurd ratio of two values near
+  zero), the worst ratio of an error to its tolerance, the minimum cosine similarity of
+  snapshots, and the first step at which the tensor leaves tolerance, with both values
+  and the tolerance there; metrics likewise. A value ``a`` (run A) agrees with ``b`` (run
+  B) when ``|a − b| <= atol + rtol·|b|``; NaN agrees with NaN and ±Inf with the same Inf.
+  Statistics one store does not record (``sig`` before schema 1.4.0) are skipped, with a
+  note. Steps at which a tensor is recorded in one run only are listed as not compared
+  (strict mode: a difference).
+- **numerics** (:mod:`.compare_numerics`, ``docs/compare.md``): a tensor whose l2 is
+  below its noise floor (``16·u·G_k(t)``, ``G_k`` the kind's global norm at that step,
+  ``u`` the unit roundoff) in both runs is equal there (only its NaN/Inf counts are
+  compared); the scale-free ``sig`` and ``zero_frac`` are judged only above the floor;
+  ``update`` and ``opt_state`` tolerances grow with the optimizer's gain (Adam's
+  lr/(√v̂ + ε), from the recorded ``opt_state``) times the gradient's allowed difference;
+  ``param`` tolerances accumulate the updates'. A precision mode (``bf16``, ``fp16``,
+  ``tf32``, ``fp32``, ``fp64``; given, or recorded in a store) derives every tolerance
+  from the format's unit roundoff and the step count. ``explain`` and ``numerics`` in the
+  report state the rules and the numbers used per kind.
 - ``first_divergence``: the tensor that left tolerance first — ordered by step, then by
   kind in the order data flows within a step (param, activation, grad, update, opt_state),
   then forward order of the layer where known, else name.
@@ -31,9 +42,9 @@ suite uses). Either way it reports
 It streams: stats are read ``block_rows`` rows at a time, snapshots one at a time; a
 store is never loaded whole.
 
-Default tolerances (:data:`DEFAULT_TOLERANCES`), chosen for float32 runs of equivalent
-models whose only difference is reduction order (error grows with the number of summed
-terms and compounds over steps):
+Default tolerances (:data:`DEFAULT_TOLERANCES`, the base of every kind without a
+precision mode), chosen for float32 runs of equivalent models whose only difference is
+reduction order (error grows with the number of summed terms and compounds over steps):
 
 =============  ========  ========
 kind           atol      rtol

@@ -98,7 +98,8 @@ class Judge:
             ratio = np.where(
                 finite & (tol > 0), err / tol, np.where(finite & (err > 0), np.inf, 0.0)
             )
-        self._track(err_f, rel, ratio, labels)
+        self._track(np.where(finite, err_f, -1.0), np.where(finite, rel, -1.0),
+                    np.where(finite, ratio, -1.0), labels)  # fmt: skip
         rows = np.flatnonzero(bad.any(axis=1))
         if rows.size:
             r0 = int(rows[0])
@@ -116,7 +117,8 @@ class Judge:
     def _track(
         self, err: np.ndarray, rel: np.ndarray, ratio: np.ndarray, labels: list[str]
     ) -> None:
-        if not err.size:
+        """Largest values (entries not judged are -1 and never win)."""
+        if not err.size or err.max() < 0:
             return
         i = np.unravel_index(int(np.argmax(err)), err.shape)
         if self.d.max_abs is None or err[i] > self.d.max_abs:

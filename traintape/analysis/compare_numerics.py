@@ -34,7 +34,12 @@ the larger of the two runs; ``opt_state`` per field, ``mu`` apart from ``nu``);
   (``atol_grad + rtol_grad · l2(grad)``, plus the grad's noise floor where the grad is
   within noise). ``opt_state`` first moments gain ``l2(state)/l2(grad) · δg``; second
   moments (``nu``: ``v = β₂v + (1−β₂)g²``, so ``δv/v ≈ 2 δg/|g|``) gain
-  ``2 · δg/l2(grad) · l2(nu)``. A parameter accumulates its updates' allowed
+  ``2 · δg/l2(grad) · l2(nu)``. Where a second moment ``nu`` is recorded (Adam), the
+  element with the smallest ``v`` amplifies most, by ``lr/(√v_min + ε)`` (lr estimated
+  per step as the largest |update|, ε :data:`ASSUMED_EPS`, the element's rounding
+  ``ELEMENT_ROUNDING · u · rms(grad)``): that allowance, at most ``2·lr``, widens the
+  snapshots' atol per element and the statistics' by ``sqrt(numel)`` times it.
+  A parameter accumulates its updates' allowed
   differences: ``param``'s absolute tolerance at step t gains the sum of ``update``'s
   (within noise: ``2 · max l2``) over the earlier compared steps.
 """
