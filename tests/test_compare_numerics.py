@@ -118,6 +118,8 @@ def test_the_statistic_behind_a_difference_is_named(tmp_path):
     t = next(x for x in js["tensors"] if x["tensor"] == "w")
     assert t["first_out_via"] == "zero_frac" and t["max_tol_ratio_stat"] == "zero_frac"
     assert js["precision"]["unit_roundoff"] == 2.0**-24 and "noise_floor" in t
+    assert js["numerics"]["param"]["noise_floor"][0] > 0 and js["explain"]
+    assert (t["first_out_a"], t["first_out_b"]) == (0.0, 0.05)
 
 
 def test_no_absurd_relative_error_is_reported(tmp_path):

@@ -61,7 +61,7 @@ metrics        1e-6      1e-5
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -89,7 +89,7 @@ from traintape.analysis.compare_numerics import (
     kind_tolerance,
     resolve_precision,
 )
-from traintape.analysis.compare_stats import Cols, StatsPass, plan_kind
+from traintape.analysis.compare_stats import Cols, KindPlan, StatsPass, plan_kind
 from traintape.schema import Kind
 
 if TYPE_CHECKING:
@@ -248,7 +248,17 @@ def _columns(ra: Run, rb: Run, notes: list[str]) -> Cols:
     )
 
 
-def _plans(ra, rb, kinds, exclude, tols, fixed, precision, gone) -> dict:
+def _plans(
+    ra: Run,
+    rb: Run,
+    kinds: list[Kind],
+    exclude: tuple[str, ...],
+    tols: dict[str, Tolerance],
+    fixed: set[str],
+    precision: Precision,
+    gone: list[str],
+) -> dict[Kind, KindPlan]:
+    """A plan per kind with common, not excluded tensors (excluded ones go to ``gone``)."""
     plans = {}
     for kind in kinds:
         names_b = set(rb.tensor_names(kind))
@@ -270,7 +280,7 @@ def _plans(ra, rb, kinds, exclude, tols, fixed, precision, gone) -> dict:
     return plans
 
 
-def _snapshots(ra: Run, rb: Run, plan, sp: StatsPass, tracker: Tracker) -> None:
+def _snapshots(ra: Run, rb: Run, plan: KindPlan, sp: StatsPass, tracker: Tracker) -> None:
     """Every common full snapshot, element by element, against the tolerance of its
     tensor at that step (within noise: equal, as its stats)."""
     kind = plan.kind
@@ -294,7 +304,16 @@ def _snapshots(ra: Run, rb: Run, plan, sp: StatsPass, tracker: Tracker) -> None:
         tracker.advance()
 
 
-def _metrics(ra, rb, tol: Tolerance, precision: Precision, exclude, gone, structural) -> list:
+def _metrics(
+    ra: Run,
+    rb: Run,
+    tol: Tolerance,
+    precision: Precision,
+    exclude: tuple[str, ...],
+    gone: list[str],
+    structural: list[StructuralDiff],
+) -> list[Judge]:
+    """Every common metric over the steps both runs logged it at."""
     ma, mb = ra.metrics(), rb.metrics()
     common_steps = np.intersect1d(ra.steps, rb.steps)
     out = []
@@ -392,7 +411,19 @@ def compare(
                    gone)  # fmt: skip
 
 
-def _report(ra, rb, strict, structural, notes, judges, tols, n_common, prec, numerics, gone):
+def _report(
+    ra: Run,
+    rb: Run,
+    strict: bool,
+    structural: list[StructuralDiff],
+    notes: list[str],
+    judges: list[Judge],
+    tols: dict[str, Tolerance],
+    n_common: int,
+    prec: Precision,
+    numerics: dict[str, KindNumerics],
+    gone: list[str],
+) -> CompareReport:
     """The verdict: split what one run holds from real differences, pick the first
     divergence, and say which rules were used."""
     for j in judges:
@@ -441,8 +472,8 @@ def _report(ra, rb, strict, structural, notes, judges, tols, n_common, prec, num
     )  # fmt: skip
 
 
-def _explain_numbers(k: KindNumerics) -> dict:
-    out: dict = {}
+def _explain_numbers(k: KindNumerics) -> dict[str, Any]:
+    out: dict[str, Any] = {}
     for name in ("global_norm", "noise_floor", "atol", "rtol"):
         v = getattr(k, name)
         if v is not None:

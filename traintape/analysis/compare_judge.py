@@ -82,7 +82,7 @@ class Judge:
         tol: np.ndarray,
         judged: np.ndarray,
         steps: np.ndarray,
-        labels: list[str],
+        labels: list[str] | str,
         rtol: np.ndarray,
     ) -> None:
         """Rows ``a``, ``b``, ``tol``, ``judged`` [n, m] at ``steps`` [n]; ``labels`` name
@@ -115,7 +115,7 @@ class Judge:
             self.d.within = False
 
     def _track(
-        self, err: np.ndarray, rel: np.ndarray, ratio: np.ndarray, labels: list[str]
+        self, err: np.ndarray, rel: np.ndarray, ratio: np.ndarray, labels: list[str] | str
     ) -> None:
         """Largest values (entries not judged are -1 and never win)."""
         if not err.size or err.max() < 0:

@@ -87,8 +87,9 @@ class Cols:
 def _numel(run: Run, kind: Kind, names: list[str]) -> np.ndarray:
     out = []
     for n in names:
-        shape = run.spec(n, kind).shape
-        out.append(float(np.prod(shape)) if all(s is not None for s in shape) else np.nan)
+        dims = [d for d in run.spec(n, kind).shape if d is not None]
+        known = len(dims) == len(run.spec(n, kind).shape)
+        out.append(float(np.prod(np.array(dims, dtype=np.float64))) if known else np.nan)
     return np.array(out, dtype=np.float64)
 
 
@@ -315,8 +316,8 @@ class StatsPass:
         l2ref = np.fmax.reduce(np.where(blk.recorded, blk.l2, np.nan), axis=0)
         tol = stat_tolerances(labels, blk.b, l2ref, blk.atol, blk.rtol, plan.numel)
         judged = judged_mask(labels, blk.within)
-        both = blk.recorded.all(axis=0)
-        one_sided = blk.recorded.any(axis=0) & ~both
+        both: np.ndarray = np.asarray(blk.recorded.all(axis=0))
+        one_sided: np.ndarray = np.asarray(blk.recorded.any(axis=0)) & ~both
         keep = [i for i, s in enumerate(steps) if int(s) in plan.snap_steps]
         for t, j in enumerate(plan.judges):
             m = both[:, t]
