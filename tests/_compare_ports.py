@@ -137,7 +137,12 @@ def torch_gpt(bug: str | None = None) -> Any:
     return GPT()
 
 
-def train_torch_gpt(url: str, bug: str | None = None, snapshots: bool = True) -> None:
+def train_torch_gpt(
+    url: str, bug: str | None = None, snapshots: bool = True, bf16: bool = False
+) -> None:
+    """``bf16``: forward and backward under ``torch.autocast('cpu', torch.bfloat16)``
+    (mixed precision: float32 params and optimizer), recorded as
+    ``user={'precision': 'bf16-mixed'}``."""
     import torch
     import torch.nn.functional as F
 
@@ -152,10 +157,15 @@ def train_torch_gpt(url: str, bug: str | None = None, snapshots: bool = True) ->
     ttt.from_canonical(model, w, strict=True)
     x, y = gpt_batches()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    with traintape.Recorder(url, policy(snapshots)) as rec, ttt.watch(model, rec) as handle:
+    user = {"precision": "bf16-mixed"} if bf16 else None
+    with (
+        traintape.Recorder(url, policy(snapshots), user=user) as rec,
+        ttt.watch(model, rec) as handle,
+    ):
         for t in range(STEPS):
             opt.zero_grad()
-            logits = model(torch.from_numpy(x[t]).long())
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                logits = model(torch.from_numpy(x[t]).long()).float()
             loss = F.cross_entropy(logits.reshape(-1, VOCAB), torch.from_numpy(y[t]).long().ravel())
             loss.backward()
             opt.step()

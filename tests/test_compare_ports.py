@@ -31,6 +31,11 @@ def gpt(tmp_path_factory):
     for bug in BUGS:
         out[bug] = str(root / bug)
         P.train_torch_gpt(out[bug], bug=bug, snapshots=False)
+    out["bf16"] = str(root / "bf16")
+    P.train_torch_gpt(out["bf16"], bf16=True)
+    for bug in ("no_mask", "transposed_q"):
+        out[f"bf16-{bug}"] = str(root / f"bf16-{bug}")
+        P.train_torch_gpt(out[f"bf16-{bug}"], bug=bug, snapshots=False, bf16=True)
     return out
 
 
@@ -62,6 +67,26 @@ def test_gpt_planted_bug_found_in_attention_from_stats(gpt, bug):
     assert fd.first_out_via is not None
     r = CliRunner().invoke(app, ["compare", gpt["nnx"], gpt[bug], "--no-snapshots"])
     assert r.exit_code == 1 and "first divergence" in r.output and "blocks/0/attn/" in r.output
+
+
+def test_gpt_bf16_autocast_identical_at_its_precision(gpt):
+    """torch under bf16 autocast (the store records precision 'bf16-mixed') against the
+    float32 NNX run: not bit-equal (fp32 mode says differs), identical at bf16's
+    precision, read from the store; the activations' bfloat16 dtype is a note there."""
+    rep = compare(gpt["nnx"], gpt["bf16"])
+    assert rep.identical, (rep.structural[:3], rep.first_divergence)
+    assert rep.precision.mode == "bf16" and rep.precision.source.startswith("recorded in")
+    assert any("expected under bf16 mixed precision" in n for n in rep.notes)
+    assert max(d.max_tol_ratio or 0 for d in rep.tensors) < 0.5
+    assert not compare(gpt["nnx"], gpt["bf16"], precision="fp32").identical
+
+
+@pytest.mark.parametrize("bug", ("no_mask", "transposed_q"))
+def test_gpt_bf16_planted_bug_still_found(gpt, bug):
+    rep = compare(gpt["nnx"], gpt[f"bf16-{bug}"], snapshots=False)
+    assert rep.precision.mode == "bf16" and not rep.identical
+    fd = rep.first_divergence
+    assert fd.tensor.startswith("blocks/0/attn/") and fd.first_step_out == 0, fd
 
 
 # ----------------------------------------------------------------------------- LLaMA

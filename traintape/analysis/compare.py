@@ -188,6 +188,26 @@ def _structure(ra: Run, rb: Run, out: list[StructuralDiff], notes: list[str]) ->
                                   f"{len(only_b)} only in B"))  # fmt: skip
 
 
+_MIXED = {"float32", "bfloat16", "float16"}
+
+
+def _mixed_dtypes(
+    structural: list[StructuralDiff], prec: Precision, notes: list[str]
+) -> list[StructuralDiff]:
+    """Under a reduced-precision mode (bf16, fp16, tf32) a tensor held in float32 in one
+    run and in the reduced format in the other (autocast activations) is expected: a
+    note, not a difference."""
+    if prec.mode not in ("bf16", "fp16", "tf32"):
+        return structural
+    kept = []
+    for sd in structural:
+        if sd.what == "spec" and sd.field == "dtype" and {sd.a, sd.b} <= _MIXED:
+            notes.append(f"{sd.message} (expected under {prec.mode} mixed precision)")
+        else:
+            kept.append(sd)
+    return kept
+
+
 def _has_snapshots(ra: Run, rb: Run, kind: Kind) -> bool:
     return bool(ra.manifest.commit.snapshots.get(kind) or rb.manifest.commit.snapshots.get(kind))
 
@@ -383,6 +403,7 @@ def compare(
     gone: list[str] = []
     _structure(ra, rb, structural, notes)
     structural = [s for s in structural if not (s.tensor and excluded(s.tensor, exclude))]
+    structural = _mixed_dtypes(structural, prec, notes)
     cols = _columns(ra, rb, notes)
     n_common = len(np.intersect1d(ra.steps, rb.steps))
     kinds = sorted(set(ra.kinds()) & set(rb.kinds()), key=lambda k: KIND_RANK[k])
