@@ -38,7 +38,8 @@ the larger of the two runs; ``opt_state`` per field, ``mu`` apart from ``nu``);
   element with the smallest ``v`` amplifies most, by ``lr/(√v_min + ε)`` (lr estimated
   per step as the largest |update|, ε :data:`ASSUMED_EPS`, the element's rounding
   ``ELEMENT_ROUNDING · u · rms(grad)``): that allowance, at most ``2·lr``, widens the
-  snapshots' atol per element and the statistics' by ``sqrt(numel)`` times it.
+  snapshots' atol per element and the statistics' by ``sqrt(numel)`` times it, at most
+  :data:`ADAM_NOISE_SHARE` of the update's l2.
   A parameter accumulates its updates' allowed
   differences: ``param``'s absolute tolerance at step t gains the sum of ``update``'s
   (within noise: ``2 · max l2``) over the earlier compared steps.
@@ -104,6 +105,11 @@ FLOAT64_TOLERANCES: dict[str, tuple[float, float]] = {
 ASSUMED_EPS = 1e-8
 """Adam's ε where the store does not say (torch, optax and most trainers default to 1e-8;
 Keras 1e-7: a larger ε only lowers the true gain, so assuming 1e-8 errs loose)."""
+ADAM_NOISE_SHARE = 0.1
+"""The most of a tensor's update l2 that Adam-amplified rounding may account for in its
+statistics (every element at the worst gain would be ``sqrt(numel)`` times the
+per-element allowance: for a large embedding that exceeds the update itself, and the
+statistics — and the params that accumulate them — would judge nothing)."""
 ELEMENT_ROUNDING = 4.0
 """An element's gradient rounding, in units of ``u · rms(grad)`` of its tensor (a few
 roundings of terms of the tensor's typical size)."""

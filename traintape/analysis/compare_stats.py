@@ -19,6 +19,7 @@ import numpy as np
 from traintape.analysis.compare_judge import Judge, judged_mask, stat_tolerances
 from traintape.analysis.compare_models import KindNumerics
 from traintape.analysis.compare_numerics import (
+    ADAM_NOISE_SHARE,
     ASSUMED_EPS,
     ELEMENT_ROUNDING,
     FIRST_MOMENTS,
@@ -70,7 +71,7 @@ class Block:
     rtol: np.ndarray  # [n]
     within: np.ndarray  # [n, T] within noise in both runs
     grad_allow: np.ndarray | None = None  # [n, T] grad: allowed l2 difference δg
-    elem_extra: np.ndarray | None = None  # [n, T] update: per-element Adam allowance
+    elem_extra: np.ndarray | None = None  # [n, T] update: snapshots' atol - stats' atol
 
 
 @dataclass
@@ -281,7 +282,8 @@ class StatsPass:
         estimated per step as the largest |update| of those tensors (Adam's |update| is
         at most about lr), ε as :data:`ASSUMED_EPS`; an element's rounding as
         ``ELEMENT_ROUNDING · u · rms(grad)``. The per-element allowance (at most 2·lr)
-        widens the snapshots' atol, and ``sqrt(numel)`` times it the stats'."""
+        widens the snapshots' atol; ``sqrt(numel)`` times it, at most
+        :data:`ADAM_NOISE_SHARE` of the update's l2, the stats'."""
         idx = [t for t, n in enumerate(plan.names) if n in second and n in grads]
         if not idx:
             return
@@ -293,8 +295,11 @@ class StatsPass:
             gain_max = lr / (np.sqrt(second[n]) + ASSUMED_EPS)
             e = np.minimum(gain_max * ELEMENT_ROUNDING * u * grads[n].rms, 2.0 * lr)
             e = np.where(np.isfinite(e), e, 0.0)
-            blk.elem_extra[:, t] = e
-            blk.atol[:, t] += e * np.sqrt(plan.numel[t])
+            share = ADAM_NOISE_SHARE * np.fmax.reduce(blk.l2[:, :, t], axis=0)
+            share = np.where(np.isfinite(share), share, 0.0)
+            stats_extra = np.minimum(e * np.sqrt(plan.numel[t]), share)
+            blk.atol[:, t] += stats_extra
+            blk.elem_extra[:, t] = e - stats_extra  # snapshots: e per element
             s = plan.summary
             if s is not None and gain_max.size and float(np.nanmax(gain_max)) > (s.max_gain or 0.0):
                 s.max_gain, s.gain_from = (
@@ -325,8 +330,8 @@ class StatsPass:
             d.steps_one_sided += int(one_sided[:, t].sum())
             for i in keep:
                 snap_atol = float(blk.atol[i, t])
-                if blk.elem_extra is not None:  # per element, not the stats' sqrt(numel)
-                    snap_atol -= float(blk.elem_extra[i, t]) * (np.sqrt(plan.numel[t]) - 1.0)
+                if blk.elem_extra is not None:  # per element, not the stats' allowance
+                    snap_atol += float(blk.elem_extra[i, t])
                 key = (plan.kind, d.tensor, int(steps[i]))
                 self.snap[key] = (snap_atol, float(blk.rtol[i]), bool(blk.within[i, t]))
             if not m.any():
