@@ -199,7 +199,7 @@ class StatsPass:
         tracker: Tracker | None = None,
     ) -> None:
         grads: dict[str, _Grad] = {}
-        moments: dict[str, np.ndarray] = {}
+        moments: dict[str, tuple[np.ndarray, int]] = {}  # param → (l2 [2, n], rank)
         allow_u: dict[str, np.ndarray] = {}
         second: dict[str, np.ndarray] = {}
         for kind in ORDER:
@@ -300,12 +300,9 @@ class StatsPass:
             stats_extra = np.minimum(e * np.sqrt(plan.numel[t]), share)
             blk.atol[:, t] += stats_extra
             blk.elem_extra[:, t] = e - stats_extra  # snapshots: e per element
-            s = plan.summary
-            if s is not None and gain_max.size and float(np.nanmax(gain_max)) > (s.max_gain or 0.0):
-                s.max_gain, s.gain_from = (
-                    float(np.nanmax(gain_max)),
-                    "opt_state (Adam: lr/(sqrt(v)+eps))",
-                )
+            s, top = plan.summary, float(np.fmax.reduce(gain_max)) if gain_max.size else 0.0
+            if s is not None and top > (s.max_gain or 0.0):
+                s.max_gain, s.gain_from = top, "opt_state (Adam: lr/(sqrt(v)+eps))"
 
     def _param(self, plan: KindPlan, blk: Block, allow_u: dict) -> None:
         for t, n in enumerate(plan.names):
