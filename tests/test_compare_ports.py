@@ -61,7 +61,7 @@ def test_gpt_port_is_identical(gpt):
 @pytest.mark.parametrize("bug", BUGS)
 def test_gpt_planted_bug_found_in_attention_from_stats(gpt, bug):
     rep = compare(gpt["nnx"], gpt[bug], snapshots=False)
-    assert not rep.identical
+    assert not rep.identical and not rep.structural  # the numbers differ, not the structure
     fd = rep.first_divergence
     assert fd.tensor.startswith("blocks/0/attn/") and fd.first_step_out == 0, fd
     assert fd.first_out_via is not None

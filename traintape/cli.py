@@ -1300,8 +1300,15 @@ def _print_compare(rep: Any, show: int, explain: bool) -> None:
         )
     for s in rep.structural:
         console.print(f"  [red]structure[/red] {escape(s.message)}")
-    for s in rep.not_compared:
+    for s in rep.not_compared[:10]:
         console.print(f"  [yellow]not compared[/yellow] {escape(s.message)}")
+    if len(rep.not_compared) > 10:
+        from collections import Counter
+
+        more = Counter(f"{s.what} {s.field}" if s.field else s.what for s in rep.not_compared[10:])
+        shown = ", ".join(f"{n} {w}" for w, n in more.most_common())
+        console.print(f"  [yellow]not compared[/yellow] ... {len(rep.not_compared) - 10} more "
+                      f"({escape(shown)}; --json lists them)")  # fmt: skip
     if rep.excluded:
         console.print(f"  [dim]excluded: {escape(', '.join(rep.excluded))}[/dim]")
     for n in rep.notes:

@@ -26,7 +26,7 @@ suite uses). Either way it reports
   note. Steps at which a tensor is recorded in one run only are listed as not compared
   (strict mode: a difference).
 - **numerics** (:mod:`.compare_numerics`, ``docs/compare.md``): a tensor whose l2 is
-  below its noise floor (``16·u·G_k(t)``, ``G_k`` the kind's global norm at that step,
+  below its noise floor (``u·G_k(t)``, ``G_k`` the kind's global norm at that step,
   ``u`` the unit roundoff) in both runs is equal there (only its NaN/Inf counts are
   compared); the scale-free ``sig`` and ``zero_frac`` are judged only above the floor;
   ``update`` and ``opt_state`` tolerances grow with the optimizer's gain (Adam's
@@ -458,7 +458,7 @@ def _report(
     if not strict:
         kept = []
         for sd in structural:
-            if sd.what in _COVERAGE:
+            if sd.what in _COVERAGE or _snapshots_one_sided(sd):
                 not_compared.append(sd)
             elif sd.what == "manifest" or (sd.what == "spec" and sd.field in _HINT_FIELDS):
                 notes.append(f"{sd.message} (metadata, not compared)")
@@ -491,6 +491,12 @@ def _report(
         tolerances=tols, common_steps=n_common, precision=prec, numerics=numerics,
         excluded=gone, explain=explain,
     )  # fmt: skip
+
+
+def _snapshots_one_sided(sd: StructuralDiff) -> bool:
+    """A snapshot shape set in one store and not the other: one run took snapshots of
+    the tensor, the other did not — what one run holds, not a difference in data."""
+    return sd.what == "spec" and sd.field == "snapshot_shape" and (sd.a is None) != (sd.b is None)
 
 
 def _explain_numbers(k: KindNumerics) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from traintape.analysis.compare_numerics import (
     FIRST_MOMENTS,
     NOISE_FACTOR,
     SECOND_MOMENTS,
+    UNIT_ROUNDOFF,
     Precision,
     field_groups,
     gain,
@@ -54,6 +55,8 @@ class KindPlan:
     base: tuple[float, float]
     precision: Precision
     judges: list[Judge]
+    floor_u: float = 0.0
+    """Unit roundoff of the noise floor: the precision's; ``param``: its stored dtype's."""
     snap_steps: set[int] = field(default_factory=set)
     summary: KindNumerics | None = None
 
@@ -94,6 +97,16 @@ def _numel(run: Run, kind: Kind, names: list[str]) -> np.ndarray:
     return np.array(out, dtype=np.float64)
 
 
+def _floor_u(run: Run, kind: Kind, names: list[str], precision: Precision) -> float:
+    if kind != Kind.PARAM:
+        return precision.unit_roundoff
+    dtypes = {run.spec(n, kind).dtype for n in names}
+    stored = UNIT_ROUNDOFF["fp64"] if dtypes <= {"float64"} else UNIT_ROUNDOFF["fp32"]
+    if dtypes & {"bfloat16", "float16"}:
+        stored = UNIT_ROUNDOFF["bf16" if "bfloat16" in dtypes else "fp16"]
+    return min(precision.unit_roundoff, stored) if precision.mode else stored
+
+
 def plan_kind(
     ra: Run, rb: Run, kind: Kind, names: list[str], base: tuple[float, float], precision: Precision
 ) -> KindPlan:
@@ -112,6 +125,7 @@ def plan_kind(
         precision=precision,
         judges=[Judge(n, kind.value, *base) for n in names],
         summary=KindNumerics(kind=kind.value),
+        floor_u=_floor_u(rb, kind, names, precision),
     )
 
 
@@ -133,7 +147,7 @@ def read_block(
     b = full_b[:, plan.jb][:, :, cols.cb]
     l2 = np.stack([full_a[:, plan.ja, cols.l2a], full_b[:, plan.jb, cols.l2b]])
     recorded = np.stack([~np.isnan(a).all(axis=2), ~np.isnan(b).all(axis=2)])
-    floor = NOISE_FACTOR * plan.precision.unit_roundoff * g
+    floor = NOISE_FACTOR * plan.floor_u * g
     atol, rtol = kind_tolerance(plan.kind.value, plan.precision, position, g, plan.base)
     with np.errstate(invalid="ignore"):
         within = (np.fmax.reduce(l2, axis=0) <= floor) & recorded.all(0)
