@@ -1264,16 +1264,19 @@ def compare(
     Exit code 0 when identical, 1 when they differ, 2 when a store cannot be read.
     """
     from traintape.analysis import compare as run_compare
+    from traintape.analysis.compare_numerics import normalise_precision
 
+    if precision is not None:
+        try:
+            precision = normalise_precision(precision)
+        except ValueError as e:
+            _fail(f"--precision: {e}")
     ra, rb = _open(run_a), _open(run_b)
     with _reading(run_a, run_b), _progress("compare") as cb:
-        try:
-            rep = run_compare(
-                ra, rb, atol=atol, rtol=rtol, snapshots=not no_snapshots, progress=cb,
-                strict=strict, exclude=exclude, precision=precision,
-            )  # fmt: skip
-        except ValueError as e:
-            _fail(str(e))
+        rep = run_compare(
+            ra, rb, atol=atol, rtol=rtol, snapshots=not no_snapshots, progress=cb,
+            strict=strict, exclude=exclude, precision=precision,
+        )  # fmt: skip
     if as_json:
         _json_out(rep)
         raise typer.Exit(0 if rep.identical else 1)
