@@ -1369,64 +1369,126 @@ def compare(
     strict: bool = typer.Option(
         False, "--strict", help="the stores must also be identical in structure"
     ),
+    exclude: list[str] = typer.Option(
+        [], "--exclude", help="leave out tensors/metrics matching this glob (repeatable)"
+    ),
+    precision: str | None = typer.Option(
+        None,
+        "--precision",
+        help="bf16, fp16, tf32, fp32 or fp64: tolerances from the format's unit roundoff and "
+        "the step count (default: what the stores record, else the fixed defaults)",
+    ),
+    explain: bool = typer.Option(
+        False, "--explain", help="print the rules and the numbers used per kind"
+    ),
 ) -> None:
     """Compare two runs: by default the data both hold (kinds, tensors and steps in one run
     only are listed as not compared; metadata differences are notes); with --strict the
-    structure too.
+    structure too. Scale-free statistics are judged only above a tensor's noise floor; a
+    tensor within noise in both runs is equal (see docs/compare.md, or --explain).
 
     Exit code 0 when identical, 1 when they differ, 2 when a store cannot be read.
     """
     from traintape.analysis import compare as run_compare
+    from traintape.analysis.compare_numerics import normalise_precision
 
+    if precision is not None:
+        try:
+            precision = normalise_precision(precision)
+        except ValueError as e:
+            _fail(f"--precision: {e}")
     ra, rb = _open(run_a), _open(run_b)
     with _reading(run_a, run_b), _progress("compare") as cb:
         rep = run_compare(
-            ra, rb, atol=atol, rtol=rtol, snapshots=not no_snapshots, progress=cb, strict=strict
-        )
+            ra, rb, atol=atol, rtol=rtol, snapshots=not no_snapshots, progress=cb,
+            strict=strict, exclude=exclude, precision=precision,
+        )  # fmt: skip
     if as_json:
         _json_out(rep)
         raise typer.Exit(0 if rep.identical else 1)
+    _print_compare(rep, show, explain)
+    raise typer.Exit(0 if rep.identical else 1)
+
+
+def _print_compare(rep: Any, show: int, explain: bool) -> None:
     c = "green" if rep.identical else "red"
     judged = "strict: data and structure" if rep.mode == "strict" else "shared data only"
     console.print(
         f"[{c}][bold]{rep.verdict}[/bold][/{c}] ({judged}): {escape(rep.a)} vs {escape(rep.b)} "
         f"({rep.common_steps} common steps)"
     )
+    p = rep.precision
+    if p is not None:
+        console.print(
+            f"  precision {p.mode or 'default'} (u = {p.unit_roundoff:.3g}, {escape(p.source)}); "
+            + "; ".join(
+                f"{k} noise floor {v.noise_floor[0]:.2g}..{v.noise_floor[1]:.2g}"
+                for k, v in rep.numerics.items()
+                if v.noise_floor is not None
+            )
+        )
     for s in rep.structural:
         console.print(f"  [red]structure[/red] {escape(s.message)}")
-    for s in rep.not_compared:
+    for s in rep.not_compared[:10]:
         console.print(f"  [yellow]not compared[/yellow] {escape(s.message)}")
+    if len(rep.not_compared) > 10:
+        from collections import Counter
+
+        more = Counter(f"{s.what} {s.field}" if s.field else s.what for s in rep.not_compared[10:])
+        shown = ", ".join(f"{n} {w}" for w, n in more.most_common())
+        console.print(f"  [yellow]not compared[/yellow] ... {len(rep.not_compared) - 10} more "
+                      f"({escape(shown)}; --json lists them)")  # fmt: skip
+    if rep.excluded:
+        console.print(f"  [dim]excluded: {escape(', '.join(rep.excluded))}[/dim]")
     for n in rep.notes:
-        console.print(f"  [dim]note: {n}[/dim]")
+        console.print(f"  [dim]note: {escape(n)}[/dim]")
+    within = [f"{k}: {', '.join(v.tensors_within_noise)}" for k, v in rep.numerics.items()
+              if v.tensors_within_noise]  # fmt: skip
+    if within:
+        console.print(
+            f"  [dim]within noise at some step (equal there): {escape('; '.join(within))}[/dim]"
+        )
     if rep.first_divergence is not None:
         d = rep.first_divergence
+        g = lambda v: "–" if v is None else f"{v:.4g}"  # noqa: E731
         console.print(
-            f"  first divergence: [bold]{d.kind} {d.tensor}[/bold] at step {d.first_step_out} "
-            f"(via {d.first_out_via}; max abs {d.max_abs:.3g}, max rel {d.max_rel:.3g})"
+            f"  first divergence: [bold]{d.kind} {escape(d.tensor)}[/bold] at step "
+            f"{d.first_step_out} (via {d.first_out_via}: {g(d.first_out_a)} vs "
+            f"{g(d.first_out_b)}, allowed |a - b| <= {g(d.first_out_tol)})"
         )
+    if explain:
+        for line in rep.explain:
+            console.print(f"  [cyan]{escape(line)}[/cyan]")
+    _compare_table(rep, show)
+
+
+def _compare_table(rep: Any, show: int) -> None:
     from traintape.analysis._common import KIND_RANK
 
     bad = [t for t in rep.tensors if not t.within]
     order = {k.value: r for k, r in KIND_RANK.items()}
     bad.sort(key=lambda t: (t.first_step_out or 0, order.get(t.kind, 9), t.tensor))
-    rows = bad[:show] if bad else sorted(rep.tensors, key=lambda t: -(t.max_abs or 0))[:show]
+    rows = bad[:show] if bad else sorted(rep.tensors, key=lambda t: -(t.max_tol_ratio or 0))[:show]
     t = Table(
-        "kind", _name_column("tensor", [d.tensor for d in rows]), "steps", "snaps", "max abs", "max rel",
-        "min cos", "first step out", "tol",
+        "kind", _name_column("tensor", [d.tensor for d in rows]), "steps", "snaps",
+        "max abs (stat)", "max rel (stat)", "worst/tol (stat)", "min cos", "first out (via)",
+        "noise floor",
     )  # fmt: skip
     f = lambda v: "–" if v is None else f"{v:.3g}"  # noqa: E731
+    w = lambda v, s: "–" if v is None else f"{v:.3g} ({s})"  # noqa: E731
     for d in rows:
+        out = f"[red]{d.first_step_out} ({d.first_out_via})[/red]" if not d.within else "–"
+        floor = f(d.noise_floor) + (f" [{d.steps_within_noise} in]" if d.steps_within_noise else "")
         t.add_row(
-            d.kind, d.tensor, str(d.steps_compared), str(d.snapshots_compared), f(d.max_abs),
-            f(d.max_rel), f(d.min_cosine), "[red]" + str(d.first_step_out) + "[/red]" if not d.within else "–",
-            f"{d.atol:g}/{d.rtol:g}",
+            d.kind, d.tensor, str(d.steps_compared), str(d.snapshots_compared),
+            w(d.max_abs, d.worst_stat), w(d.max_rel, d.max_rel_stat),
+            w(d.max_tol_ratio, d.max_tol_ratio_stat), f(d.min_cosine), out, floor,
         )  # fmt: skip
     if rows:
-        t.title = "out of tolerance" if bad else "largest differences (all within tolerance)"
+        t.title = "out of tolerance" if bad else "closest to tolerance (all within: worst/tol <= 1)"
         console.print(t)
     if len(bad) > show:
         console.print(f"... {len(bad) - show} more out of tolerance (use --show or --json)")
-    raise typer.Exit(0 if rep.identical else 1)
 
 
 # ----------------------------------------------------------------- sparse-update quality

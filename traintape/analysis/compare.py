@@ -15,15 +15,26 @@ suite uses). Either way it reports
   run only are listed in ``not_compared`` (never silently ignored), and metadata hints
   (layer kind, role, layer path of a shared tensor, manifest fields such as the policy
   or user metadata) become notes. ``strict=True`` counts all of them as differences.
-- **numeric** differences per (tensor, kind) over the common steps: max absolute and max
-  relative error of the stat vectors and of the snapshots, the minimum cosine similarity of
-  snapshots, and the first step at which the tensor leaves tolerance; metrics likewise.
-  A value ``a`` (run A) agrees with ``b`` (run B) when ``|a − b| <= atol + rtol·|b|``;
-  NaN agrees with NaN and ±Inf with the same Inf. The layout signature ``sig`` is
-  scale-free (a signed sum over ``l2``: its absolute error is about the data's relative
-  error), so it is held to ``|a − b| <= max(atol, rtol) + rtol·|b|``. Statistics one
-  store does not record (``sig`` in a store older than schema 1.4.0) are skipped, with
-  a note.
+- **numeric** differences per (tensor, kind) over the common steps, each number named
+  by the statistic behind it: max absolute error, max relative error (only where the
+  relative part of the tolerance dominates, so never an absurd ratio of two values near
+  zero), the worst ratio of an error to its tolerance, the minimum cosine similarity of
+  snapshots, and the first step at which the tensor leaves tolerance, with both values
+  and the tolerance there; metrics likewise. A value ``a`` (run A) agrees with ``b`` (run
+  B) when ``|a − b| <= atol + rtol·|b|``; NaN agrees with NaN and ±Inf with the same Inf.
+  Statistics one store does not record (``sig`` before schema 1.4.0) are skipped, with a
+  note. Steps at which a tensor is recorded in one run only are listed as not compared
+  (strict mode: a difference).
+- **numerics** (:mod:`.compare_numerics`, ``docs/compare.md``): a tensor whose l2 is
+  below its noise floor (``u·G_k(t)``, ``G_k`` the kind's global norm at that step,
+  ``u`` the unit roundoff) in both runs is equal there (only its NaN/Inf counts are
+  compared); the scale-free ``sig`` and ``zero_frac`` are judged only above the floor;
+  ``update`` and ``opt_state`` tolerances grow with the optimizer's gain (Adam's
+  lr/(√v̂ + ε), from the recorded ``opt_state``) times the gradient's allowed difference;
+  ``param`` tolerances accumulate the updates'. A precision mode (``bf16``, ``fp16``,
+  ``tf32``, ``fp32``, ``fp64``; given, or recorded in a store) derives every tolerance
+  from the format's unit roundoff and the step count. ``explain`` and ``numerics`` in the
+  report state the rules and the numbers used per kind.
 - ``first_divergence``: the tensor that left tolerance first — ordered by step, then by
   kind in the order data flows within a step (param, activation, grad, update, opt_state),
   then forward order of the layer where known, else name.
@@ -31,9 +42,9 @@ suite uses). Either way it reports
 It streams: stats are read ``block_rows`` rows at a time, snapshots one at a time; a
 store is never loaded whole.
 
-Default tolerances (:data:`DEFAULT_TOLERANCES`), chosen for float32 runs of equivalent
-models whose only difference is reduction order (error grows with the number of summed
-terms and compounds over steps):
+Default tolerances (:data:`DEFAULT_TOLERANCES`, the base of every kind without a
+precision mode), chosen for float32 runs of equivalent models whose only difference is
+reduction order (error grows with the number of summed terms and compounds over steps):
 
 =============  ========  ========
 kind           atol      rtol
@@ -49,10 +60,10 @@ metrics        1e-6      1e-5
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from pydantic import BaseModel, Field
 
 from traintape.analysis._common import (
     KIND_RANK,
@@ -63,6 +74,22 @@ from traintape.analysis._common import (
     natural_key,
     tensor_rank,
 )
+from traintape.analysis.compare_judge import SCALE_FREE, Judge
+from traintape.analysis.compare_models import (
+    CompareReport,
+    KindNumerics,
+    StructuralDiff,
+    TensorDiff,
+    Tolerance,
+)
+from traintape.analysis.compare_numerics import (
+    Precision,
+    excluded,
+    explain_rules,
+    kind_tolerance,
+    resolve_precision,
+)
+from traintape.analysis.compare_stats import Cols, KindPlan, StatsPass, plan_kind
 from traintape.schema import Kind
 
 if TYPE_CHECKING:
@@ -70,11 +97,16 @@ if TYPE_CHECKING:
 
     from traintape.core.reader import Run
 
-
-class Tolerance(BaseModel):
-    atol: float
-    rtol: float
-
+__all__ = [
+    "DEFAULT_TOLERANCES",
+    "SCALE_FREE",
+    "CompareReport",
+    "KindNumerics",
+    "StructuralDiff",
+    "TensorDiff",
+    "Tolerance",
+    "compare",
+]
 
 DEFAULT_TOLERANCES: dict[str, Tolerance] = {
     "param": Tolerance(atol=1e-6, rtol=1e-5),
@@ -91,130 +123,16 @@ _IGNORED_MANIFEST = {
 }  # fmt: skip
 
 
-_COVERAGE = {"kind", "tensor", "metrics", "steps", "snapshots"}
+_COVERAGE = {"kind", "tensor", "metrics", "steps", "snapshots", "rows"}
 """Structural differences about what one run holds and the other does not."""
 _HINT_FIELDS = {"layer_kind", "role", "layer"}
 """Spec fields that describe a tensor rather than its data."""
-
-
-class StructuralDiff(BaseModel):
-    """One structural difference (``what``: 'tensor', 'kind', 'spec', 'steps', 'snapshots',
-    'metrics', 'manifest')."""
-
-    what: str
-    kind: str | None = None
-    tensor: str | None = None
-    field: str | None = None
-    a: Any = None
-    b: Any = None
-    message: str
-
-
-class TensorDiff(BaseModel):
-    """Numeric comparison of one tensor of one kind (or one metric, kind ``metrics``)."""
-
-    tensor: str
-    kind: str
-    steps_compared: int = 0
-    snapshots_compared: int = 0
-    max_abs: float | None = Field(None, description="max |a − b| over stats and snapshots")
-    max_rel: float | None = Field(None, description="max |a − b| / |b| (where b ≠ 0)")
-    worst_stat: str | None = Field(None, description="stat (or 'snapshot') of the max_abs")
-    min_cosine: float | None = Field(None, description="lowest snapshot cosine similarity")
-    first_step_out: int | None = Field(None, description="first step leaving tolerance")
-    first_out_via: str | None = Field(None, description="stat or 'snapshot' that left it")
-    within: bool = True
-    atol: float
-    rtol: float
-
-
-class CompareReport(BaseModel):
-    a: str
-    b: str
-    identical: bool
-    verdict: str = Field(description="'identical' or 'differs'")
-    mode: str = Field(
-        "shared",
-        description="'shared': the verdict judges the data both runs hold; 'strict': the "
-        "stores must also be identical in structure",
-    )
-    structural: list[StructuralDiff] = Field(
-        default_factory=list, description="structural differences that make the runs differ"
-    )
-    not_compared: list[StructuralDiff] = Field(
-        default_factory=list,
-        description="what only one run holds (shared mode; in strict mode these are "
-        "structural differences)",
-    )
-    notes: list[str] = Field(default_factory=list)
-    tensors: list[TensorDiff] = Field(default_factory=list)
-    first_divergence: TensorDiff | None = None
-    tolerances: dict[str, Tolerance]
-    common_steps: int = 0
-
-    def diff(self, tensor: str, kind: str) -> TensorDiff:
-        for t in self.tensors:
-            if t.tensor == tensor and t.kind == kind:
-                return t
-        raise KeyError((tensor, kind))
 
 
 def _open(x: Run | str | os.PathLike[str]) -> Run:
     from traintape.core.reader import Run, open_run
 
     return x if isinstance(x, Run) else open_run(x)
-
-
-SCALE_FREE = frozenset({"sig"})
-"""Statistics normalised by the tensor's own scale (``sig`` = signed sum / l2): their
-absolute error is about the data's *relative* error, so they are held to
-``|a − b| <= max(atol, rtol) + rtol·|b|``."""
-
-
-def _close(
-    a: np.ndarray, b: np.ndarray, tol: Tolerance, labels: list[str] | str | None = None
-) -> np.ndarray:
-    atol: float | np.ndarray = tol.atol
-    if isinstance(labels, list) and SCALE_FREE & set(labels):
-        atol = np.array([max(tol.atol, tol.rtol) if n in SCALE_FREE else tol.atol for n in labels])
-    with np.errstate(all="ignore"):
-        ok = np.abs(a - b) <= atol + tol.rtol * np.abs(b)
-    same_nonfinite = (np.isnan(a) & np.isnan(b)) | (np.isinf(a) & (a == b))
-    return ok | same_nonfinite
-
-
-class _Acc:
-    """Running max errors of one tensor."""
-
-    def __init__(self, tensor: str, kind: str, tol: Tolerance) -> None:
-        self.d = TensorDiff(tensor=tensor, kind=kind, atol=tol.atol, rtol=tol.rtol)
-        self.tol = tol
-
-    def add(
-        self, a: np.ndarray, b: np.ndarray, step_of: np.ndarray, labels: list[str] | str
-    ) -> None:
-        """a, b: [n, m] values at steps ``step_of`` [n]; ``labels`` name the m columns."""
-        both = np.isfinite(a) & np.isfinite(b)
-        with np.errstate(all="ignore"):
-            err = np.where(both, np.abs(a - b), 0.0)
-            rel = np.where(both & (b != 0), err / np.abs(b), 0.0)
-        if err.size:
-            i = np.unravel_index(int(np.argmax(err)), err.shape)
-            if self.d.max_abs is None or err[i] > self.d.max_abs:
-                self.d.max_abs = float(err[i])
-                self.d.worst_stat = labels if isinstance(labels, str) else labels[i[1]]
-            r = float(rel.max())
-            self.d.max_rel = r if self.d.max_rel is None else max(self.d.max_rel, r)
-        bad = ~_close(a, b, self.tol, labels)
-        rows = np.flatnonzero(bad.any(axis=1))
-        if rows.size:
-            r0 = rows[0]
-            st = int(step_of[r0])
-            if self.d.first_step_out is None or st < self.d.first_step_out:
-                self.d.first_step_out = st
-                col = int(np.flatnonzero(bad[r0])[0])
-                self.d.first_out_via = labels if isinstance(labels, str) else labels[col]
-            self.d.within = False
 
 
 def _structure(ra: Run, rb: Run, out: list[StructuralDiff], notes: list[str]) -> None:
@@ -270,22 +188,184 @@ def _structure(ra: Run, rb: Run, out: list[StructuralDiff], notes: list[str]) ->
                                   f"{len(only_b)} only in B"))  # fmt: skip
 
 
+_MIXED = {"float32", "bfloat16", "float16"}
+
+
+def _mixed_dtypes(
+    structural: list[StructuralDiff], prec: Precision, notes: list[str]
+) -> list[StructuralDiff]:
+    """Under a reduced-precision mode (bf16, fp16, tf32) a tensor held in float32 in one
+    run and in the reduced format in the other (autocast activations) is expected: a
+    note, not a difference."""
+    if prec.mode not in ("bf16", "fp16", "tf32"):
+        return structural
+    kept = []
+    for sd in structural:
+        if sd.what == "spec" and sd.field == "dtype" and {sd.a, sd.b} <= _MIXED:
+            notes.append(f"{sd.message} (expected under {prec.mode} mixed precision)")
+        else:
+            kept.append(sd)
+    return kept
+
+
 def _has_snapshots(ra: Run, rb: Run, kind: Kind) -> bool:
     return bool(ra.manifest.commit.snapshots.get(kind) or rb.manifest.commit.snapshots.get(kind))
 
 
 def _row_blocks(sa: np.ndarray, sb: np.ndarray, block: int):
-    """Yield (rows_a slice, rows_b slice, idx_a, idx_b, steps) over the common steps."""
+    """Yield ((rows_a slice, rows_b slice, idx_a, idx_b), steps, positions) over the
+    common steps (positions: index among the common steps)."""
     common, ia, ib = np.intersect1d(sa, sb, assume_unique=True, return_indices=True)
     for s in range(0, len(common), block):
         a_idx, b_idx = ia[s : s + block], ib[s : s + block]
-        yield (
+        rows = (
             slice(int(a_idx.min()), int(a_idx.max()) + 1),
             slice(int(b_idx.min()), int(b_idx.max()) + 1),
             a_idx - a_idx.min(),
             b_idx - b_idx.min(),
-            common[s : s + block],
         )
+        yield rows, common[s : s + block], np.arange(s, s + len(a_idx))
+
+
+def _tolerances(
+    atol: float | None, rtol: float | None, tolerances: dict | None
+) -> tuple[dict[str, Tolerance], set[str]]:
+    """Per-kind base tolerances and the kinds whose tolerances the caller set (those
+    stay constant: a precision mode does not replace them)."""
+    tols = {k: v.model_copy() for k, v in DEFAULT_TOLERANCES.items()}
+    fixed: set[str] = set()
+    for k, v in (tolerances or {}).items():
+        if k not in tols:
+            raise ValueError(f"tolerances: unknown kind {k!r} (kinds: {sorted(tols)})")
+        tols[k] = v if isinstance(v, Tolerance) else Tolerance(**{**tols[k].model_dump(), **v})
+        fixed.add(k)
+    for k in tols:
+        if atol is not None:
+            tols[k].atol = atol
+        if rtol is not None:
+            tols[k].rtol = rtol
+    if atol is not None or rtol is not None:
+        fixed |= set(tols)
+    return tols, fixed
+
+
+def _columns(ra: Run, rb: Run, notes: list[str]) -> Cols:
+    """Statistics are matched by name (each store records its own ``stat_names``)."""
+    labels = [n for n in ra.manifest.stat_names if n in set(rb.manifest.stat_names)]
+    for run, other in ((ra, rb), (rb, ra)):
+        lacks = [n for n in other.manifest.stat_names if n not in set(run.manifest.stat_names)]
+        if lacks:  # an older store (schema < 1.4.0 has no sig): compared on the rest
+            notes.append(
+                f"statistics {lacks} not compared: {run.url} (schema "
+                f"{run.manifest.schema_version}) does not record them"
+            )
+    return Cols(
+        labels=labels,
+        ca=[ra.manifest.stat_names.index(n) for n in labels],
+        cb=[rb.manifest.stat_names.index(n) for n in labels],
+        l2a=ra.manifest.stat_names.index("l2"),
+        l2b=rb.manifest.stat_names.index("l2"),
+    )
+
+
+def _plans(
+    ra: Run,
+    rb: Run,
+    kinds: list[Kind],
+    exclude: tuple[str, ...],
+    tols: dict[str, Tolerance],
+    fixed: set[str],
+    precision: Precision,
+    gone: list[str],
+) -> dict[Kind, KindPlan]:
+    """A plan per kind with common, not excluded tensors (excluded ones go to ``gone``)."""
+    plans = {}
+    for kind in kinds:
+        names_b = set(rb.tensor_names(kind))
+        common = [n for n in ra.tensor_names(kind) if n in names_b]
+        gone += [f"{kind.value} {n}" for n in common if excluded(n, exclude)]
+        common = [n for n in common if not excluded(n, exclude)]
+        if not common:
+            continue
+        tol = tols[kind.value]
+        prec = Precision(mode=None, unit_roundoff=precision.unit_roundoff, source="set by caller") \
+            if kind.value in fixed else precision  # fmt: skip
+        plans[kind] = plan_kind(ra, rb, kind, common, (tol.atol, tol.rtol), prec)
+        if _has_snapshots(ra, rb, kind):
+            steps: set[int] = set()
+            for n in common:
+                steps |= set(np.intersect1d(ra.snapshot_steps(n, kind),
+                                            rb.snapshot_steps(n, kind)).tolist())  # fmt: skip
+            plans[kind].snap_steps = steps
+    return plans
+
+
+def _snapshots(ra: Run, rb: Run, plan: KindPlan, sp: StatsPass, tracker: Tracker) -> None:
+    """Every common full snapshot, element by element, against the tolerance of its
+    tensor at that step (within noise: equal, as its stats)."""
+    kind = plan.kind
+    for j in plan.judges:
+        n, d = j.d.tensor, j.d
+        if ra.spec(n, kind).snapshot_shape != rb.spec(n, kind).snapshot_shape:
+            tracker.advance()
+            continue
+        for st in np.intersect1d(ra.snapshot_steps(n, kind), rb.snapshot_steps(n, kind)):
+            atol, rtol, within = sp.snap.get((kind, n, int(st)), (d.atol, d.rtol, False))
+            xa = ra.snapshot(n, kind, int(st)).astype(np.float64).ravel()[None, :]
+            xb = rb.snapshot(n, kind, int(st)).astype(np.float64).ravel()[None, :]
+            tol = atol + rtol * np.abs(xb)
+            judged = np.full(xa.shape, not within)
+            j.add(xa, xb, tol, judged, np.array([st]), "snapshot", np.array([rtol]))
+            fa, fb = (np.nan_to_num(x[0], posinf=0, neginf=0) for x in (xa, xb))
+            na, nb = np.linalg.norm(fa), np.linalg.norm(fb)
+            cos = float(fa @ fb / (na * nb)) if na > 0 and nb > 0 else float(na == nb)
+            d.min_cosine = cos if d.min_cosine is None else min(d.min_cosine, cos)
+            d.snapshots_compared += 1
+        tracker.advance()
+
+
+def _metrics(
+    ra: Run,
+    rb: Run,
+    tol: Tolerance,
+    precision: Precision,
+    exclude: tuple[str, ...],
+    gone: list[str],
+    structural: list[StructuralDiff],
+) -> list[Judge]:
+    """Every common metric over the steps both runs logged it at."""
+    ma, mb = ra.metrics(), rb.metrics()
+    common_steps = np.intersect1d(ra.steps, rb.steps)
+    out = []
+    for c in [c for c in ma.columns if c in set(mb.columns)]:
+        if excluded(c, exclude):
+            gone.append(f"metric {c}")
+            continue
+        j = (
+            ma[[c]]
+            .merge(mb[[c]], how="inner", left_index=True, right_index=True, suffixes=("_a", "_b"))
+            .dropna(how="all")
+        )
+        judge = Judge(c, "metrics", tol.atol, tol.rtol)
+        if len(j):
+            steps = j.index.to_numpy()
+            pos = np.searchsorted(common_steps, steps)
+            a, b = j[[f"{c}_a"]].to_numpy(), j[[f"{c}_b"]].to_numpy()
+            atol, rtol = kind_tolerance(
+                "metrics", precision, pos, np.ones(len(j)), (tol.atol, tol.rtol)
+            )
+            t = atol[:, None] + rtol[:, None] * np.abs(b)
+            judge.add(a, b, t, np.ones(a.shape, bool), steps, ["value"], rtol)
+            judge.d.steps_compared = len(j)
+        out.append(judge)
+    for c in sorted(set(ma.columns) ^ set(mb.columns)):
+        if excluded(c, exclude):
+            continue
+        where = "A" if c in set(ma.columns) else "B"
+        structural.append(
+            StructuralDiff(what="metrics", tensor=c, message=f"metric {c} only in run {where}")
+        )
+    return out
 
 
 def compare(
@@ -299,134 +379,93 @@ def compare(
     block_rows: int = 256,
     progress: ProgressCallback | None = None,
     strict: bool = False,
+    exclude: Iterable[str] = (),
+    precision: str | None = None,
 ) -> CompareReport:
     """Compare two runs (see module docstring). ``atol``/``rtol`` override every kind's
-    default; ``tolerances`` sets them per kind (``{'grad': {'atol': .., 'rtol': ..}}``).
+    tolerances; ``tolerances`` sets them per kind (``{'grad': {'atol': .., 'rtol': ..}}``);
+    tolerances set either way are constant (a precision mode does not replace them).
     ``strict``: the stores must be identical in structure too (kinds, tensors, metrics,
     steps, snapshot steps, specs and manifest fields), not only in the data both hold.
+    ``exclude``: ``fnmatch`` globs of tensor and metric names left out (listed in
+    ``excluded``). ``precision``: ``'bf16'``, ``'fp16'``, ``'tf32'``, ``'fp32'`` or
+    ``'fp64'`` (default: what the stores record, else the default tolerances).
 
     ``progress(stage, done, total)`` is called as work is done; a unit is one block of
-    ``block_rows`` common rows of one kind's stats, one tensor's snapshots, or the metrics.
+    ``block_rows`` common rows of the stats, one tensor's snapshots, or the metrics.
     """
     ra, rb = _open(run_a), _open(run_b)
-    tols = {k: v.model_copy() for k, v in DEFAULT_TOLERANCES.items()}
-    for k, v in (tolerances or {}).items():
-        tols[k] = v if isinstance(v, Tolerance) else Tolerance(**{**tols[k].model_dump(), **v})
-    for k in tols:
-        if atol is not None:
-            tols[k].atol = atol
-        if rtol is not None:
-            tols[k].rtol = rtol
+    exclude = tuple(exclude)
+    prec = resolve_precision([ra, rb], precision)
+    tols, fixed = _tolerances(atol, rtol, tolerances)
     structural: list[StructuralDiff] = []
     notes: list[str] = []
+    gone: list[str] = []
     _structure(ra, rb, structural, notes)
-    # statistics are matched by name (each store records its own ``stat_names``)
-    labels = [n for n in ra.manifest.stat_names if n in set(rb.manifest.stat_names)]
-    for run, other in ((ra, rb), (rb, ra)):
-        lacks = [n for n in other.manifest.stat_names if n not in set(run.manifest.stat_names)]
-        if lacks:  # an older store (schema < 1.4.0 has no sig): compared on the rest
-            notes.append(
-                f"statistics {lacks} not compared: {run.url} (schema "
-                f"{run.manifest.schema_version}) does not record them"
-            )
-    ca = [ra.manifest.stat_names.index(n) for n in labels]
-    cb = [rb.manifest.stat_names.index(n) for n in labels]
-    accs: list[_Acc] = []
-    sa, sb = ra.steps, rb.steps
-    n_common = len(np.intersect1d(sa, sb))
-    common_kinds = sorted(set(ra.kinds()) & set(rb.kinds()), key=lambda k: KIND_RANK[k])
+    structural = [s for s in structural if not (s.tensor and excluded(s.tensor, exclude))]
+    structural = _mixed_dtypes(structural, prec, notes)
+    cols = _columns(ra, rb, notes)
+    n_common = len(np.intersect1d(ra.steps, rb.steps))
+    kinds = sorted(set(ra.kinds()) & set(rb.kinds()), key=lambda k: KIND_RANK[k])
+    plans = _plans(ra, rb, kinds, exclude, tols, fixed, prec, gone)
     tracker = Tracker(progress)
-    n_blocks = -(-n_common // block_rows)
-    for kind in common_kinds:
-        nc = len(set(ra.tensor_names(kind)) & set(rb.tensor_names(kind)))
-        if nc:
-            tracker.add(n_blocks)
-            if snapshots and _has_snapshots(ra, rb, kind):
-                tracker.add(nc)
-    tracker.add(1)  # metrics
-    for kind in common_kinds:
-        names_a, names_b = ra.tensor_names(kind), rb.tensor_names(kind)
-        common = [n for n in names_a if n in set(names_b)]
-        if not common:
-            continue
-        tracker.stage(f"{kind.value} stats")
-        ja = [names_a.index(n) for n in common]
-        jb = [names_b.index(n) for n in common]
-        tol = tols[kind.value]
-        kacc = [_Acc(n, kind.value, tol) for n in common]
-        for sl_a, sl_b, ia, ib, steps in _row_blocks(sa, sb, block_rows):
-            A = ra.stats_array(kind, rows=sl_a)[ia][:, ja][:, :, ca]
-            B = rb.stats_array(kind, rows=sl_b)[ib][:, jb][:, :, cb]
-            present = ~(np.isnan(A).all(axis=2) & np.isnan(B).all(axis=2))
-            for t, acc in enumerate(kacc):
-                m = present[:, t]
-                if m.any():
-                    acc.add(A[m, t], B[m, t], steps[m], labels)
-                    acc.d.steps_compared += int(m.sum())
-            tracker.advance()
-        if snapshots and _has_snapshots(ra, rb, kind):
-            tracker.stage(f"{kind.value} snapshots")
-            specs_a = {s.name: s for s in ra.manifest.specs(kind)}
-            specs_b = {s.name: s for s in rb.manifest.specs(kind)}
-            for acc in kacc:
-                n = acc.d.tensor
-                if specs_a[n].snapshot_shape != specs_b[n].snapshot_shape:
-                    tracker.advance()
-                    continue
-                pa = ra.snapshot_steps(n, kind)
-                pb = rb.snapshot_steps(n, kind)
-                for st in np.intersect1d(pa, pb):
-                    xa = ra.snapshot(n, kind, int(st)).astype(np.float64).ravel()
-                    xb = rb.snapshot(n, kind, int(st)).astype(np.float64).ravel()
-                    acc.add(xa[None, :], xb[None, :], np.array([st]), "snapshot")
-                    fa, fb = (
-                        np.nan_to_num(xa, posinf=0, neginf=0),
-                        np.nan_to_num(xb, posinf=0, neginf=0),
-                    )
-                    na, nb = np.linalg.norm(fa), np.linalg.norm(fb)
-                    cos = float(fa @ fb / (na * nb)) if na > 0 and nb > 0 else float(na == nb)
-                    acc.d.min_cosine = (
-                        cos if acc.d.min_cosine is None else min(acc.d.min_cosine, cos)
-                    )
-                    acc.d.snapshots_compared += 1
-                tracker.advance()
-        accs += kacc
-    # metrics
+    tracker.add(-(-n_common // block_rows) * len(plans) + 1)
+    if snapshots:
+        tracker.add(sum(len(p.names) for p in plans.values() if _has_snapshots(ra, rb, p.kind)))
+    sp = StatsPass(plans, cols)
+    for rows, steps, pos in _row_blocks(ra.steps, rb.steps, block_rows):
+        sp.block(ra, rb, rows, steps, pos, tracker)
+    judges = [j for k in kinds if k in plans for j in plans[k].judges]
+    if snapshots:
+        for kind in kinds:
+            if kind in plans and _has_snapshots(ra, rb, kind):
+                tracker.stage(f"{kind.value} snapshots")
+                _snapshots(ra, rb, plans[kind], sp, tracker)
     tracker.stage("metrics")
-    mtol = tols["metrics"]
-    ma, mb = ra.metrics(), rb.metrics()
-    for c in [c for c in ma.columns if c in set(mb.columns)]:
-        j = (
-            ma[[c]]
-            .merge(mb[[c]], how="inner", left_index=True, right_index=True, suffixes=("_a", "_b"))
-            .dropna(how="all")
-        )
-        acc = _Acc(c, "metrics", mtol)
-        if len(j):
-            acc.add(
-                j[[f"{c}_a"]].to_numpy(), j[[f"{c}_b"]].to_numpy(), j.index.to_numpy(), ["value"]
-            )
-            acc.d.steps_compared = len(j)
-        accs.append(acc)
-    for c in sorted(set(ma.columns) ^ set(mb.columns)):
-        where = "A" if c in set(ma.columns) else "B"
-        structural.append(
-            StructuralDiff(what="metrics", tensor=c, message=f"metric {c} only in run {where}")
-        )
-
+    mprec = prec if "metrics" not in fixed else Precision(
+        mode=None, unit_roundoff=prec.unit_roundoff, source="set by caller")  # fmt: skip
+    judges += _metrics(ra, rb, tols["metrics"], mprec, exclude, gone, structural)
+    tracker.advance()
     tracker.finish()
+    numerics = {k.value: p.summary for k, p in plans.items() if p.summary is not None}
+    return _report(ra, rb, strict, structural, notes, judges, tols, n_common, prec, numerics,
+                   gone)  # fmt: skip
+
+
+def _report(
+    ra: Run,
+    rb: Run,
+    strict: bool,
+    structural: list[StructuralDiff],
+    notes: list[str],
+    judges: list[Judge],
+    tols: dict[str, Tolerance],
+    n_common: int,
+    prec: Precision,
+    numerics: dict[str, KindNumerics],
+    gone: list[str],
+) -> CompareReport:
+    """The verdict: split what one run holds from real differences, pick the first
+    divergence, and say which rules were used."""
+    for j in judges:
+        d = j.d
+        if d.steps_one_sided:
+            structural.append(StructuralDiff(
+                what="rows", kind=d.kind, tensor=d.tensor,
+                message=f"{d.kind} {d.tensor}: {d.steps_one_sided} common steps recorded in "
+                "one run only"))  # fmt: skip
     not_compared: list[StructuralDiff] = []
     if not strict:
         kept = []
         for sd in structural:
-            if sd.what in _COVERAGE:
+            if sd.what in _COVERAGE or _snapshots_one_sided(sd):
                 not_compared.append(sd)
             elif sd.what == "manifest" or (sd.what == "spec" and sd.field in _HINT_FIELDS):
                 notes.append(f"{sd.message} (metadata, not compared)")
             else:
                 kept.append(sd)
         structural = kept
-    diffs = [a.d for a in accs]
+    diffs = [j.d for j in judges]
     for d in diffs:
         d.max_abs = finite_float(d.max_abs) if d.max_abs is not None else None
     rank = {**forward_rank(ra)}
@@ -443,17 +482,34 @@ def compare(
             ),
         )
     identical = not structural and not out_of_tol
+    explain = explain_rules(prec, {k: _explain_numbers(v) for k, v in numerics.items()})
     return CompareReport(
-        a=ra.url,
-        b=rb.url,
-        identical=identical,
+        a=ra.url, b=rb.url, identical=identical,
         verdict="identical" if identical else "differs",
-        mode="strict" if strict else "shared",
-        structural=structural,
-        not_compared=not_compared,
-        notes=notes,
-        tensors=diffs,
-        first_divergence=first,
-        tolerances=tols,
-        common_steps=n_common,
-    )
+        mode="strict" if strict else "shared", structural=structural,
+        not_compared=not_compared, notes=notes, tensors=diffs, first_divergence=first,
+        tolerances=tols, common_steps=n_common, precision=prec, numerics=numerics,
+        excluded=gone, explain=explain,
+    )  # fmt: skip
+
+
+def _snapshots_one_sided(sd: StructuralDiff) -> bool:
+    """A snapshot shape set in one store and not the other: one run took snapshots of
+    the tensor, the other did not — what one run holds, not a difference in data."""
+    return sd.what == "spec" and sd.field == "snapshot_shape" and (sd.a is None) != (sd.b is None)
+
+
+def _explain_numbers(k: KindNumerics) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in ("global_norm", "noise_floor", "atol", "rtol"):
+        v = getattr(k, name)
+        if v is not None:
+            out[name] = list(v)
+    if k.max_gain is not None:
+        out["max gain"] = k.max_gain
+        out["gain from"] = k.gain_from
+    if k.tensors_within_noise:
+        shown = k.tensors_within_noise[:6]
+        more = len(k.tensors_within_noise) - len(shown)
+        out["within noise"] = ", ".join(shown) + (f" (+{more})" if more > 0 else "")
+    return out
