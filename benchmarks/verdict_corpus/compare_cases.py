@@ -1,0 +1,274 @@
+"""The compare half of the verdict corpus: correct ports (expected identical) and planted
+bugs (expected differs, at the declared tensor, kind and step).
+
+Every case is judged the way a user runs it: ``traintape.compare(a, b)`` with default
+options, once on the statistics only (``snapshots=False``) and once with the snapshots
+the runs recorded; a case is right only when both say the expected thing. Run A is the
+torch store (the torch adapter records the forward order compare uses to name the
+*first* layer), run B the Flax one. bf16 cases use compare's precision mode where the
+library has one (``precision='bf16'``), else the defaults.
+
+Each false verdict on a port is attributed to a cause (:func:`cause_of`) from the
+recorded numbers: ``grad-under-clipping`` (every grad of the step differs by the same
+factor: one run recorded the clipped gradient), ``noise-floor stats`` (a scale-free
+statistic of a tensor whose l2 is rounding noise next to its kind's largest tensor),
+``update-as-applied`` (``update`` ``zero_frac``: one run records θ_{t+1} − θ_t after
+rounding, the other the optimizer's output), ``Adam rounding`` (``update``/``opt_state``
+of an Adam run: gradient rounding magnified by lr/(√v̂ + ε)), else ``other``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import inspect
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from verdict_corpus import CaseResult, Rate, Section
+from verdict_corpus import arch as A
+from verdict_corpus.bugs import BUGS, QUICK_BUGS, Bug
+
+
+@dataclass(frozen=True)
+class Port:
+    """A correct port: the torch port and the Flax one (``flavour`` 'nnx' or 'linen')."""
+
+    arch: str
+    recipe: str
+    dtype: str = "float32"
+    flavour: str = "nnx"
+    bf16: bool = False
+    micro_batches: int = 1
+
+    @property
+    def name(self) -> str:
+        extra = "-bf16" if self.bf16 else ""
+        extra += f"-accum{self.micro_batches}" if self.micro_batches > 1 else ""
+        fl = "" if self.flavour == "nnx" else f"-{self.flavour}"
+        return f"{self.arch}{fl}-{self.recipe}-{self.dtype}{extra}"
+
+    @property
+    def frameworks(self) -> str:
+        return f"torch / flax-{self.flavour}"
+
+    @property
+    def expected(self) -> str:
+        return "identical-at-precision" if self.bf16 else "identical"
+
+
+PORTS: tuple[Port, ...] = (
+    *(Port(a, "sgd") for a in A.ARCHS),
+    *(Port(a, "adamw") for a in ("gpt", "bert", "llama", "vit", "resnet", "moe")),
+    *(Port(a, "adam") for a in ("conv1d", "lstm", "gru", "moe", "mlp")),
+    Port("mlp", "sgd_clip"),
+    Port("conv1d", "sgd", micro_batches=2),
+    *(Port(a, r, "float64") for a, r in (("gpt", "sgd"), ("bert", "adamw"), ("llama", "adamw"),
+                                          ("resnet", "sgd"), ("lstm", "adam"), ("mlp", "sgd"))),
+    Port("llama", "adamw", flavour="linen"),
+    Port("llama", "adamw", "float64", flavour="linen"),
+    Port("mlp", "sgd", bf16=True),
+    Port("gpt", "sgd", bf16=True),
+)  # fmt: skip
+
+QUICK_PORTS = ("gpt-sgd-float32", "llama-adamw-float32", "mlp-sgd-float64", "resnet-sgd-float32",
+               "lstm-adam-float32", "mlp-sgd-float32")  # fmt: skip
+
+
+def _ref_port(bug: Bug) -> Port:
+    """The correct port a bug is compared against (same arch, recipe, dtype)."""
+    return Port(bug.arch, bug.recipe, bug.dtype, micro_batches=bug.micro_batches)
+
+
+# ----------------------------------------------------------------------------- running
+class Runs:
+    """Trains and caches the stores under ``workdir`` (one per port, side and bug)."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self._shapes: dict[str, dict[str, tuple[int, ...]]] = {}
+
+    def shapes(self, arch: str) -> dict[str, tuple[int, ...]]:
+        if arch not in self._shapes:
+            from verdict_corpus import ports_torch
+
+            self._shapes[arch] = ports_torch.canonical_shapes(arch)
+        return self._shapes[arch]
+
+    def torch(self, port: Port, bug: str | None = None) -> str:
+        url = self.workdir / port.name / f"torch{'-' + bug if bug else ''}"
+        if not url.exists():
+            from verdict_corpus import ports_torch
+
+            ports_torch.train(port.arch, str(url), port.dtype, port.recipe, bug=bug,
+                              micro_batches=port.micro_batches, bf16=port.bf16)  # fmt: skip
+        return str(url)
+
+    def flax(self, port: Port, bug: str | None = None) -> str:
+        url = self.workdir / port.name / f"{port.flavour}{'-' + bug if bug else ''}"
+        if not url.exists():
+            from verdict_corpus import ports_jax
+
+            if port.flavour == "linen":
+                ports_jax.train_linen_llama(str(url), port.dtype, port.recipe,
+                                            self.shapes(port.arch))  # fmt: skip
+            else:
+                ports_jax.train_nnx(port.arch, str(url), port.dtype, port.recipe,
+                                    self.shapes(port.arch), bug=bug, bf16=port.bf16)  # fmt: skip
+        return str(url)
+
+
+def _compare(a: str, b: str, snapshots: bool, bf16: bool) -> Any:
+    """``traintape.compare`` with default options (precision mode for bf16 if present)."""
+    import traintape
+
+    kw: dict[str, Any] = {"snapshots": snapshots}
+    if bf16 and "precision" in inspect.signature(traintape.compare).parameters:
+        kw["precision"] = "bf16"
+    return traintape.compare(a, b, **kw)
+
+
+def _verdict(rep: Any) -> str:
+    fd = rep.first_divergence
+    if rep.identical:
+        return "identical"
+    if fd is None:
+        return "differs: " + "; ".join(s.message for s in rep.structural[:2])
+    return f"differs: {fd.kind} {fd.tensor} @{fd.first_step_out} ({fd.first_out_via})"
+
+
+# ----------------------------------------------------------------------------- causes
+SCALE_FREE = ("sig", "zero_frac", "mean", "std", "min", "max")
+"""Statistics that stay O(1) or relative when a tensor is pure rounding noise."""
+
+
+def _l2_at(run: Any, kind: str, step: int) -> dict[str, float]:
+    names = run.tensor_names(kind)
+    col = list(run.manifest.stat_names).index("l2")
+    row = int(np.flatnonzero(run.steps == step)[0])
+    vals = run.stats_array(kind, rows=slice(row, row + 1))[0][:, col]
+    return dict(zip(names, (float(v) for v in vals)))
+
+
+def cause_of(rep: Any, a: str, b: str, port: Port) -> str:
+    """Why a correct port was called 'differs' (see the module docstring)."""
+    import traintape
+
+    fd = rep.first_divergence
+    if fd is None:
+        return "structure"
+    ra, rb = traintape.open_run(a), traintape.open_run(b)
+    recipe = A.RECIPES[port.recipe]
+    kind, step, via = fd.kind, fd.first_step_out, fd.first_out_via
+    if kind == "metrics":
+        return "other: metric " + fd.tensor
+    la, lb = _l2_at(ra, kind, step), _l2_at(rb, kind, step)
+    top = max(max(la.values()), max(lb.values()))
+    if kind == "grad" and recipe.clip is not None:
+        ratios = np.array([la[n] / lb[n] for n in la if n in lb and lb[n] > 1e-3 * top])
+        if ratios.size and abs(ratios.mean() - 1) > 1e-3 and ratios.std() < 1e-4 * ratios.mean():
+            return f"grad-under-clipping (every grad x{ratios.mean():.4g})"
+    if kind == "update" and via == "zero_frac":
+        return "update-as-applied (zero_frac)"
+    small = max(la.get(fd.tensor, 0.0), lb.get(fd.tensor, 0.0)) < 1e-4 * top
+    if via in SCALE_FREE and small:
+        return f"noise-floor stats ({via} of a tensor at l2 {la.get(fd.tensor, 0):.2g} vs {top:.2g})"
+    if kind in ("update", "opt_state") and recipe.optimizer in ("adam", "adamw"):
+        return f"Adam rounding ({kind} {via}, max rel {fd.max_rel:.2g})"
+    if port.bf16:
+        return f"bf16 rounding ({via}, max rel {fd.max_rel:.2g})"
+    return f"other ({via}, max abs {fd.max_abs:.2g}, max rel {fd.max_rel:.2g})"
+
+
+# ----------------------------------------------------------------------------- cases
+def _located(rep: Any, bug: Bug) -> bool:
+    fd = rep.first_divergence
+    return (
+        fd is not None
+        and fd.kind == bug.kind
+        and fd.first_step_out == bug.step
+        and any(fnmatch.fnmatchcase(fd.tensor, p) for p in bug.where)
+    )
+
+
+def run_port(runs: Runs, port: Port) -> CaseResult:
+    t0 = time.perf_counter()
+    try:
+        a, b = runs.torch(port), runs.flax(port)
+        reps = [_compare(a, b, s, port.bf16) for s in (False, True)]
+    except Exception as e:  # a case that cannot run is a wrong verdict, with the reason
+        return CaseResult(port.name, "port", port.frameworks, port.expected, f"error: {e!r}"[:120],
+                          False, None, traceback.format_exc(limit=3), time.perf_counter() - t0)  # fmt: skip
+    got = [_verdict(r) for r in reps]
+    ok = all(r.identical for r in reps)
+    causes = [cause_of(r, a, b, port) for r in reps if not r.identical]
+    detail = "; ".join(dict.fromkeys(causes))
+    text = got[1] if got[0] == got[1] else f"{got[1]} | stats-only: {got[0]}"
+    return CaseResult(port.name, "port", port.frameworks, port.expected, text, ok, None, detail,
+                      time.perf_counter() - t0)  # fmt: skip
+
+
+def run_bug(runs: Runs, bug: Bug) -> CaseResult:
+    t0 = time.perf_counter()
+    port = _ref_port(bug)
+    fw = "torch (bug) / flax-nnx" if bug.side == "torch" else "torch / flax-nnx (bug)"
+    try:
+        if bug.side == "torch":
+            a, b = runs.torch(port, bug.planted), runs.flax(port)
+        else:
+            a, b = runs.torch(port), runs.flax(port, bug.planted)
+        reps = [_compare(a, b, s, False) for s in (False, True)]
+    except Exception as e:
+        return CaseResult(bug.name, "bug", fw, bug.expected, f"error: {e!r}"[:120], False, False,
+                          traceback.format_exc(limit=3), time.perf_counter() - t0)  # fmt: skip
+    got = [_verdict(r) for r in reps]
+    ok = not any(r.identical for r in reps)
+    localised = ok and all(_located(r, bug) for r in reps)
+    text = got[1] if got[0] == got[1] else f"{got[1]} | stats-only: {got[0]}"
+    return CaseResult(bug.name, "bug", fw, bug.expected, text, ok, localised,
+                      f"{bug.arch} {bug.recipe} {bug.dtype}: {bug.what}", time.perf_counter() - t0)  # fmt: skip
+
+
+def rates(cases: list[CaseResult]) -> list[Rate]:
+    ports = [c for c in cases if c.group == "port"]
+    bugs = [c for c in cases if c.group == "bug"]
+    false_differs = sum(not c.ok for c in ports)
+    detected = sum(c.ok for c in bugs)
+    localised = sum(bool(c.localised) for c in bugs)
+    n = max(len(bugs), 1)
+    return [
+        Rate("false differs on correct ports", false_differs, len(ports), "0", false_differs == 0),
+        Rate("planted bugs detected", detected, len(bugs), ">= 95%", detected / n >= 0.95),
+        Rate("bugs localised to the right layer and step", localised, len(bugs), ">= 90%",
+             localised / n >= 0.90),
+    ]  # fmt: skip
+
+
+def select(quick: bool) -> tuple[list[Port], list[Bug]]:
+    """The ports and bugs to run (``quick``: a subset of every group)."""
+    if not quick:
+        return list(PORTS), list(BUGS)
+    return [p for p in PORTS if p.name in QUICK_PORTS], [b for b in BUGS if b.name in QUICK_BUGS]
+
+
+def run(quick: bool, workdir: Path, names: list[str] | None = None) -> Section:
+    """Run the compare corpus (``names``: only these cases) and return its Section."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # reduction order and speed independent of the machine's load
+    ports, bugs = select(quick)
+    if names is not None:
+        ports = [p for p in ports if p.name in names]
+        bugs = [b for b in bugs if b.name in names]
+    runs = Runs(workdir)
+    try:
+        cases = [run_port(runs, p) for p in ports] + [run_bug(runs, b) for b in bugs]
+    finally:
+        torch.set_num_threads(threads)
+    return Section("compare: correct ports and planted bugs", cases, rates(cases))
+
