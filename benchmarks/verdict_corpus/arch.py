@@ -128,9 +128,11 @@ def init_weight(arch: str, name: str, shape: tuple[int, ...], dtype: str) -> np.
         x = np.ones(shape)
     elif role == "scale":
         x = 1.0 + r.normal(0.0, 0.05, shape)
-    elif role.startswith("bias"):
-        x = r.normal(0.0, 0.02, shape)
-    elif arch in ("gpt", "gpt_tied", "bert", "llama", "vit") or role == "embedding":
+    elif (
+        role.startswith("bias")
+        or arch in ("gpt", "gpt_tied", "bert", "llama", "vit")
+        or role == "embedding"
+    ):
         x = r.normal(0.0, 0.02, shape)
     else:
         fan_in = int(np.prod(shape[:-1])) if len(shape) > 1 else shape[0]

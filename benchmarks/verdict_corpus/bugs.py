@@ -116,5 +116,5 @@ BUGS: tuple[Bug, ...] = (
         "activation", ("gru/*",), side="jax"),
 )  # fmt: skip
 
-QUICK_BUGS = ("no_causal_mask", "transposed_q_kernel", "wd_on_norms_and_biases",
-              "bn_momentum_flax", "lstm_gate_order_ifog", "labels_not_shifted")  # fmt: skip
+QUICK_BUGS = ("no_causal_mask", "transposed_q_kernel", "labels_not_shifted",
+              "wd_on_norms_and_biases", "lstm_gate_order_ifog", "nesterov", "dropout_left_on")  # fmt: skip

@@ -6,8 +6,8 @@ Attribute paths are the canonical layer names of the torch ports
 initial weights. The recurrent layers and the attention are written out (Flax's own
 cells and ``MultiHeadDotProductAttention`` use other parameter layouts), with torch's
 formulation and gate order. A planted bug is one named line (``bug == "..."``).
-float64 runs are traced under ``jax.enable_x64(True)`` (a context, so other float32 work
-in the same process is unaffected).
+float64 runs set ``jax_enable_x64`` for their duration (and put it back, so float32 work
+later in the same process is unaffected).
 """
 
 from __future__ import annotations
@@ -401,7 +401,7 @@ def make_tx(recipe_name: str) -> Any:
     if r.schedule:
         base = r.lr
 
-        def lr(count: Any) -> Any:  # noqa: F811
+        def lr(count: Any) -> Any:
             return base * A.lr_factor(count, jnp)
 
     if r.optimizer == "sgd":
@@ -424,10 +424,23 @@ def _policy(recipe_name: str) -> Any:
                                    snapshot_kinds=("param", "grad", "update"))  # fmt: skip
 
 
+@contextlib.contextmanager
 def _x64(dtype: str) -> Any:
+    """float64: ``jax_enable_x64`` set globally for the run, as a user sets it, and put
+    back afterwards. (Not ``jax.enable_x64(True)``: that context is thread-local, and the
+    JAX adapter's host callbacks, run on another thread, then see float64 arrays as
+    float32 — the recorder refuses them and capture stops.)"""
     import jax
 
-    return jax.enable_x64(True) if dtype == "float64" else contextlib.nullcontext()
+    if dtype != "float64":
+        yield
+        return
+    before = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", before)
 
 
 def train_nnx(
@@ -450,7 +463,10 @@ def train_nnx(
         x, y = A.batches(arch, dtype, steps)
         with traintape.Recorder(url, policy=_policy(recipe_name)) as rec:
             opt = nnx.Optimizer(model, ttj.watch(make_tx(recipe_name), rec), wrt=nnx.Param)
-            vg = ttj.nnx_value_and_grad(lambda m, xb, yb: loss_fn(arch, m(xb), yb), recorder=rec)
+            # bf16: the loss in the parameters' dtype, as torch.autocast leaves it
+            vg = ttj.nnx_value_and_grad(
+                lambda m, xb, yb: loss_fn(arch, m(xb).astype(dtype), yb), recorder=rec
+            )
 
             @nnx.jit
             def step(m: Any, o: Any, xb: Any, yb: Any) -> Any:

@@ -8,7 +8,6 @@ line (``bug == "..."``) in the model or the loop; ``bug=None`` is the correct po
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numpy as np
 import torch
@@ -116,7 +115,9 @@ class GPT(nn.Module):
         super().__init__()
         self.wte = nn.Embedding(A.VOCAB, A.D)
         self.wpe = nn.Embedding(A.SEQ, A.D)
-        self.blocks = nn.ModuleList(PreLNBlock(True, bug, eps_bug=i == 0) for i in range(A.N_LAYERS))
+        self.blocks = nn.ModuleList(
+            PreLNBlock(True, bug, eps_bug=i == 0) for i in range(A.N_LAYERS)
+        )
         self.ln_f = nn.LayerNorm(A.D, eps=A.LN_EPS)
         self.head = nn.Linear(A.D, A.VOCAB, bias=not tied)
         if tied and bug != "tie_lost":
@@ -434,7 +435,9 @@ def train(
         for t in range(steps):
             opt.zero_grad()
             total = 0.0
-            for xb, yb in zip(np.array_split(x[t], micro_batches), np.array_split(y[t], micro_batches)):
+            parts = zip(np.array_split(x[t], micro_batches), np.array_split(y[t], micro_batches),
+                        strict=True)  # fmt: skip
+            for xb, yb in parts:
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                     out = model(torch.from_numpy(xb))
                     loss = loss_fn(arch, out.float() if bf16 else out, torch.from_numpy(yb), bug)
