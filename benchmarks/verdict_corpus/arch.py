@@ -117,9 +117,11 @@ def _rng(*keys: str | int) -> np.random.Generator:
 
 
 def init_weight(arch: str, name: str, shape: tuple[int, ...], dtype: str) -> np.ndarray:
-    """Canonical initial value of one tensor: GPT-style N(0, 0.02²) for kernels,
-    embeddings and learned tokens/positions of the token models, N(0, 1/fan_in) for the
-    others; norm scales 1 + N(0, 0.05²), biases N(0, 0.02²), running mean 0, var 1."""
+    """Canonical initial value of one tensor: GPT-2's N(0, 0.02²) for embeddings, the
+    learned class token and positions, and biases; N(0, 1/fan_in) for kernels (at these
+    small widths GPT-2's 0.02 would leave every pre-activation ~0.1 and the attention
+    uniform; a 768-wide model's pre-activations are O(1), as these are); norm scales
+    1 + N(0, 0.05²), running mean 0, var 1."""
     role = name.rpartition("/")[2]
     r = _rng(arch, name)
     if role == "running_mean":
@@ -128,11 +130,7 @@ def init_weight(arch: str, name: str, shape: tuple[int, ...], dtype: str) -> np.
         x = np.ones(shape)
     elif role == "scale":
         x = 1.0 + r.normal(0.0, 0.05, shape)
-    elif (
-        role.startswith("bias")
-        or arch in ("gpt", "gpt_tied", "bert", "llama", "vit")
-        or role == "embedding"
-    ):
+    elif role.startswith("bias") or role == "embedding" or name in ("cls_token", "pos_embed"):
         x = r.normal(0.0, 0.02, shape)
     else:
         fan_in = int(np.prod(shape[:-1])) if len(shape) > 1 else shape[0]

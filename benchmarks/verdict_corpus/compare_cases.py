@@ -14,7 +14,12 @@ factor: one run recorded the clipped gradient), ``noise-floor stats`` (a scale-f
 statistic of a tensor whose l2 is rounding noise next to its kind's largest tensor),
 ``update-as-applied`` (``update`` ``zero_frac``: one run records θ_{t+1} − θ_t after
 rounding, the other the optimizer's output), ``Adam rounding`` (``update``/``opt_state``
-of an Adam run: gradient rounding magnified by lr/(√v̂ + ε)), else ``other``.
+of an Adam run: gradient rounding magnified by lr/(√v̂ + ε)), ``bf16 rounding``,
+``snapshot element noise`` (a snapshot element near zero in a tensor of large norm,
+held to an absolute atol), ``rounding growth over steps`` (a statistic a little beyond
+the fixed rtol after a few steps), else ``other``. These name what the false verdict
+came from; ``update-as-applied`` also covers θ ≈ 1 (norm scales), whose applied update
+θ_{t+1} − θ_t carries a relative error ulp(θ)/|u| in float32.
 """
 
 from __future__ import annotations
@@ -154,6 +159,24 @@ def _l2_at(run: Any, kind: str, step: int) -> dict[str, float]:
     return dict(zip(names, (float(v) for v in vals), strict=True))
 
 
+def _ulp_over_update(run: Any, name: str, step: int) -> float:
+    """ulp of the parameter's largest element over the update's rms: the relative error
+    of θ_{t+1} − θ_t computed in storage dtype (what the torch adapter records)."""
+    stats = list(run.manifest.stat_names)
+    row = int(np.flatnonzero(run.steps == step)[0])
+
+    def at(kind: str) -> np.ndarray:
+        j = run.tensor_names(kind).index(name)
+        return run.stats_array(kind, rows=slice(row, row + 1))[0][j]
+
+    p, u = at("param"), at("update")
+    spec = next(s for s in run.manifest.specs("update") if s.name == name)
+    big = max(abs(p[stats.index("min")]), abs(p[stats.index("max")]))
+    rms = u[stats.index("l2")] / np.sqrt(max(int(np.prod(spec.shape)), 1))
+    eps = float(np.finfo(np.dtype(spec.dtype)).eps)
+    return float(eps * big / rms) if rms > 0 else float("inf")
+
+
 def cause_of(rep: Any, a: str, b: str, port: Port) -> str:
     """Why a correct port was called 'differs' (see the module docstring)."""
     import traintape
@@ -174,6 +197,10 @@ def cause_of(rep: Any, a: str, b: str, port: Port) -> str:
             return f"grad-under-clipping (every grad x{ratios.mean():.4g})"
     if kind == "update" and via == "zero_frac":
         return "update-as-applied (zero_frac)"
+    if kind == "update":
+        ratio = _ulp_over_update(ra, fd.tensor, step)
+        if ratio > fd.rtol:
+            return f"update-as-applied ({via}: ulp(θ)/rms(update) = {ratio:.2g})"
     small = max(la.get(fd.tensor, 0.0), lb.get(fd.tensor, 0.0)) < 1e-4 * top
     if via in SCALE_FREE and small:
         return (
@@ -183,6 +210,13 @@ def cause_of(rep: Any, a: str, b: str, port: Port) -> str:
         return f"Adam rounding ({kind} {via}, max rel {fd.max_rel:.2g})"
     if port.bf16:
         return f"bf16 rounding ({via}, max rel {fd.max_rel:.2g})"
+    if via == "snapshot":
+        return (
+            f"snapshot element noise ({kind}: max abs {fd.max_abs:.2g} on elements far below "
+            f"the tensor's scale; element-wise atol is not relative to the tensor)"
+        )
+    if step > 0 and fd.max_rel is not None and fd.max_rel < 1e-2:
+        return f"rounding growth over steps ({kind} {via} at step {step}, max rel {fd.max_rel:.2g})"
     return f"other ({via}, max abs {fd.max_abs:.2g}, max rel {fd.max_rel:.2g})"
 
 
