@@ -41,7 +41,8 @@ from verdict_corpus.bugs import BUGS, QUICK_BUGS, Bug
 
 @dataclass(frozen=True)
 class Port:
-    """A correct port: the torch port and the Flax one (``flavour`` 'nnx' or 'linen')."""
+    """A correct port: the torch port and the JAX one (``flavour`` 'nnx' or 'linen': Flax;
+    'equinox': the MLP only)."""
 
     arch: str
     recipe: str
@@ -59,7 +60,7 @@ class Port:
 
     @property
     def frameworks(self) -> str:
-        return f"torch / flax-{self.flavour}"
+        return "torch / equinox" if self.flavour == "equinox" else f"torch / flax-{self.flavour}"
 
     @property
     def expected(self) -> str:
@@ -75,6 +76,8 @@ PORTS: tuple[Port, ...] = (
     *(Port(a, r, "float64") for a, r in (("gpt", "sgd"), ("bert", "adamw"), ("llama", "adamw"),
                                           ("resnet", "sgd"), ("lstm", "adam"), ("mlp", "sgd"))),
     Port("llama", "adamw", flavour="linen"),
+    Port("mlp", "sgd", flavour="equinox"),
+    Port("mlp", "adam", flavour="equinox"),
     Port("llama", "adamw", "float64", flavour="linen"),
     Port("mlp", "sgd", bf16=True),
     Port("gpt", "sgd", bf16=True),
@@ -118,7 +121,11 @@ class Runs:
         if not url.exists():
             from verdict_corpus import ports_jax
 
-            if port.flavour == "linen":
+            if port.flavour == "equinox":
+                from verdict_corpus import ports_equinox
+
+                ports_equinox.train_mlp(str(url), port.dtype, port.recipe, self.shapes(port.arch))
+            elif port.flavour == "linen":
                 ports_jax.train_linen_llama(str(url), port.dtype, port.recipe,
                                             self.shapes(port.arch))  # fmt: skip
             else:
