@@ -17,7 +17,10 @@ rounding, the other the optimizer's output), ``Adam rounding`` (``update``/``opt
 of an Adam run: gradient rounding magnified by lr/(√v̂ + ε)), ``bf16 rounding``,
 ``snapshot element noise`` (a snapshot element near zero in a tensor of large norm,
 held to an absolute atol), ``rounding growth over steps`` (a statistic a little beyond
-the fixed rtol after a few steps), else ``other``. These name what the false verdict
+the fixed rtol after a few steps), ``Adam-amplified noise`` (the param, or the layer's
+output, of a parameter whose gradient is zero in exact arithmetic — the key bias: Adam
+normalises its rounding noise into steps of size ~lr, so the two runs' key biases walk
+apart), else ``other``. These name what the false verdict
 came from; ``update-as-applied`` also covers θ ≈ 1 (norm scales), whose applied update
 θ_{t+1} − θ_t carries a relative error ulp(θ)/|u| in float32.
 """
@@ -184,47 +187,83 @@ def _ulp_over_update(run: Any, name: str, step: int) -> float:
     return float(eps * big / rms) if rms > 0 else float("inf")
 
 
-def cause_of(rep: Any, a: str, b: str, port: Port) -> str:
-    """Why a correct port was called 'differs' (see the module docstring)."""
-    import traintape
-
-    fd = rep.first_divergence
-    if fd is None:
-        return "structure"
-    ra, rb = traintape.open_run(a), traintape.open_run(b)
+def cause_of(td: Any, ra: Any, rb: Any, port: Port, cache: dict[Any, Any] | None = None) -> str:
+    """Why one out-of-tolerance tensor (a ``TensorDiff``) of a correct port left
+    tolerance (see the module docstring). ``ra``/``rb``: the open runs."""
+    cache = {} if cache is None else cache
     recipe = A.RECIPES[port.recipe]
-    kind, step, via = fd.kind, fd.first_step_out, fd.first_out_via
+    kind, step, via = td.kind, td.first_step_out, td.first_out_via
     if kind == "metrics":
-        return "other: metric " + fd.tensor
-    la, lb = _l2_at(ra, kind, step), _l2_at(rb, kind, step)
+        return f"other (metric {td.tensor})"
+
+    def l2(run: Any, tag: str) -> dict[str, float]:
+        if (tag, kind, step) not in cache:
+            cache[(tag, kind, step)] = _l2_at(run, kind, step)
+        return cache[(tag, kind, step)]
+
+    la, lb = l2(ra, "a"), l2(rb, "b")
     top = max(max(la.values()), max(lb.values()))
     if kind == "grad" and recipe.clip is not None:
         ratios = np.array([la[n] / lb[n] for n in la if n in lb and lb[n] > 1e-3 * top])
         if ratios.size and abs(ratios.mean() - 1) > 1e-3 and ratios.std() < 1e-4 * ratios.mean():
-            return f"grad-under-clipping (every grad x{ratios.mean():.4g})"
+            return f"grad-under-clipping (every grad x{ratios.mean():.4g} at step {step})"
     if kind == "update" and via == "zero_frac":
         return "update-as-applied (zero_frac)"
     if kind == "update":
-        ratio = _ulp_over_update(ra, fd.tensor, step)
-        if ratio > fd.rtol:
+        ratio = _ulp_over_update(ra, td.tensor, step)
+        if ratio > td.rtol:
             return f"update-as-applied ({via}: ulp(θ)/rms(update) = {ratio:.2g})"
-    small = max(la.get(fd.tensor, 0.0), lb.get(fd.tensor, 0.0)) < 1e-4 * top
+    small = max(la.get(td.tensor, 0.0), lb.get(td.tensor, 0.0)) < 1e-4 * top
     if via in SCALE_FREE and small:
         return (
-            f"noise-floor stats ({via} of a tensor at l2 {la.get(fd.tensor, 0):.2g} vs {top:.2g})"
+            f"noise-floor stats ({via} of a tensor at l2 {la.get(td.tensor, 0):.2g} vs {top:.2g})"
         )
     if kind in ("update", "opt_state") and recipe.optimizer in ("adam", "adamw"):
-        return f"Adam rounding ({kind} {via}, max rel {fd.max_rel:.2g})"
+        return f"Adam rounding ({kind} {via}, max rel {td.max_rel:.2g})"
+    if kind in ("param", "activation") and recipe.optimizer in ("adam", "adamw"):
+        if ("grad0",) not in cache:
+            cache[("grad0",)] = (_l2_at(ra, "grad", 0), _l2_at(rb, "grad", 0))
+        ga, gb = cache[("grad0",)]
+        gtop = max(max(ga.values()), max(gb.values()))
+        layer = td.tensor.rsplit("/", 1)[0] + "/"
+        noise = [n for n in ga if n.startswith(layer) and max(ga[n], gb.get(n, 0)) < 1e-4 * gtop]
+        if noise:
+            return (
+                f"Adam-amplified noise ({kind}: {noise[0]} has a zero gradient in exact "
+                f"arithmetic; Adam turns its rounding noise into lr-sized steps)"
+            )
     if port.bf16:
-        return f"bf16 rounding ({via}, max rel {fd.max_rel:.2g})"
+        return f"bf16 rounding ({via}, max rel {td.max_rel:.2g})"
     if via == "snapshot":
         return (
-            f"snapshot element noise ({kind}: max abs {fd.max_abs:.2g} on elements far below "
+            f"snapshot element noise ({kind}: max abs {td.max_abs:.2g} on elements far below "
             f"the tensor's scale; element-wise atol is not relative to the tensor)"
         )
-    if step > 0 and fd.max_rel is not None and fd.max_rel < 1e-2:
-        return f"rounding growth over steps ({kind} {via} at step {step}, max rel {fd.max_rel:.2g})"
-    return f"other ({via}, max abs {fd.max_abs:.2g}, max rel {fd.max_rel:.2g})"
+    if step > 0 and td.max_rel is not None and td.max_rel < 1e-2:
+        return f"rounding growth over steps ({kind} {via} at step {step}, max rel {td.max_rel:.2g})"
+    return f"other ({kind} {via}, max abs {td.max_abs:.2g}, max rel {td.max_rel:.2g})"
+
+
+def causes(reps: list[Any], a: str, b: str, port: Port) -> str:
+    """The cause of each report's first divergence, then a tally of the causes of every
+    (tensor, kind) out of tolerance in any of the reports — what would still say
+    'differs' once the first cause is fixed."""
+    import traintape
+
+    ra, rb = traintape.open_run(a), traintape.open_run(b)
+    cache: dict[Any, Any] = {}
+    first = [cause_of(r.first_divergence, ra, rb, port, cache) for r in reps
+             if r.first_divergence is not None]  # fmt: skip
+    tally: dict[str, set[tuple[str, str]]] = {}
+    for r in reps:
+        for td in r.tensors:
+            if not td.within and td.first_step_out is not None:
+                label = cause_of(td, ra, rb, port, cache).split(" (")[0]
+                tally.setdefault(label, set()).add((td.kind, td.tensor))
+    counts = ", ".join(
+        f"{k} {len(v)}" for k, v in sorted(tally.items(), key=lambda kv: -len(kv[1]))
+    )
+    return f"first: {'; '.join(dict.fromkeys(first))} — every tensor out: {counts}"
 
 
 # ----------------------------------------------------------------------------- cases
@@ -248,8 +287,7 @@ def run_port(runs: Runs, port: Port) -> CaseResult:
                           False, None, traceback.format_exc(limit=3), time.perf_counter() - t0)  # fmt: skip
     got = [_verdict(r) for r in reps]
     ok = all(r.identical for r in reps)
-    causes = [cause_of(r, a, b, port) for r in reps if not r.identical]
-    detail = "; ".join(dict.fromkeys(causes))
+    detail = "" if ok else causes(reps, a, b, port)
     text = got[1] if got[0] == got[1] else f"{got[1]} | stats-only: {got[0]}"
     return CaseResult(port.name, "port", port.frameworks, port.expected, text, ok, None, detail,
                       time.perf_counter() - t0)  # fmt: skip
