@@ -494,6 +494,14 @@ def torch_costs(tb: TorchBench, m: Model, rounds: int, tmp: str) -> None:
     lines = buf.getvalue().splitlines()
     start = next((i for i, ln in enumerate(lines) if ln.strip().startswith("ncalls")), 0)
     print("\n".join(lines[start : start + 19]))
+    cum = sorted(
+        ((v[3] / n * 1e3, f"{os.path.basename(k[0])}:{k[1]}({k[2]})")
+         for k, v in st.stats.items() if "traintape" in k[0]),  # type: ignore[attr-defined]
+        reverse=True,
+    )  # fmt: skip
+    print("\ntraintape functions by cumulative time (ms/step under the profiler):")
+    for ms, where in cum[:14]:
+        print(f"  {ms:7.3f}  {where}")
     sampler_cost()
 
 
