@@ -191,3 +191,21 @@ def test_cli_compare_says_which_verdict(tmp_path):
     r = CliRunner().invoke(app, ["compare", a, b, "--strict"])
     assert r.exit_code == 1, r.output
     assert "strict" in r.output
+
+
+def test_gradients_diverge_first_at_the_head(tmp_path):
+    """Within a step, gradients are computed backward: when every gradient differs (a
+    mistake in the loss), the first divergence is the head's gradient where the run
+    records its forward order; activations stay in forward order."""
+
+    def rec(url: str, scale: float) -> str:
+        order = ["embed", "block", "head"]
+        with traintape.Recorder(url, user={"forward_order": order}) as r:
+            for t in range(2):
+                g = {f"{n}/kernel": np.full((2, 2), (t + 1) * scale, np.float32) for n in order}
+                r.record(t, "grad", g)
+        return url
+
+    a, b = rec(str(tmp_path / "a"), 1.0), rec(str(tmp_path / "b"), 2.0)
+    first = compare(a, b).first_divergence
+    assert (first.tensor, first.kind, first.first_step_out) == ("head/kernel", "grad", 0)

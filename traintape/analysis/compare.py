@@ -37,7 +37,8 @@ suite uses). Either way it reports
   report state the rules and the numbers used per kind.
 - ``first_divergence``: the tensor that left tolerance first — ordered by step, then by
   kind in the order data flows within a step (param, activation, grad, update, opt_state),
-  then forward order of the layer where known, else name.
+  then computation order where the run records its forward order (activations forward,
+  gradients backward from the head), else name.
 
 It streams: stats are read ``block_rows`` rows at a time, snapshots one at a time; a
 store is never loaded whole.
@@ -468,19 +469,8 @@ def _report(
     diffs = [j.d for j in judges]
     for d in diffs:
         d.max_abs = finite_float(d.max_abs) if d.max_abs is not None else None
-    rank = {**forward_rank(ra)}
     out_of_tol = [d for d in diffs if not d.within and d.first_step_out is not None]
-    first = None
-    if out_of_tol:
-        first = min(
-            out_of_tol,
-            key=lambda d: (
-                d.first_step_out,
-                KIND_RANK.get(Kind(d.kind), 5) if d.kind != "metrics" else 9,
-                tensor_rank(rank, d.tensor),
-                natural_key(d.tensor),
-            ),
-        )
+    first = _first_divergence(out_of_tol, forward_rank(ra), ra.manifest.forward_order is not None)
     identical = not structural and not out_of_tol
     explain = explain_rules(prec, {k: _explain_numbers(v) for k, v in numerics.items()})
     return CompareReport(
@@ -491,6 +481,34 @@ def _report(
         tolerances=tols, common_steps=n_common, precision=prec, numerics=numerics,
         excluded=gone, explain=explain,
     )  # fmt: skip
+
+
+def _first_divergence(
+    out_of_tol: list[TensorDiff], rank: dict[str, int], order_known: bool
+) -> TensorDiff | None:
+    """The tensor that left tolerance first, in the order the step computes it: by step,
+    then kind (param, activation, grad, update, opt_state; metrics last), then within a
+    kind by computation order — activations forward, gradients *backward* (the head's
+    gradient is computed first: a mistake in the loss shows there before it reaches the
+    first layer) where the run knows its forward order, else by name."""
+
+    def within_kind(d: TensorDiff) -> int:
+        r = tensor_rank(rank, d.tensor)
+        if d.kind == Kind.GRAD.value and order_known and r <= len(rank):
+            return -r
+        return r
+
+    if not out_of_tol:
+        return None
+    return min(
+        out_of_tol,
+        key=lambda d: (
+            d.first_step_out,
+            KIND_RANK.get(Kind(d.kind), 5) if d.kind != "metrics" else 9,
+            within_kind(d),
+            natural_key(d.tensor),
+        ),
+    )
 
 
 def _snapshots_one_sided(sd: StructuralDiff) -> bool:
