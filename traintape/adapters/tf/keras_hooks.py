@@ -42,6 +42,7 @@ class StepContext:
     loss: Any = None
     grads: list[Any] | None = None
     clip: Any = None
+    lr: Any = None
     acts: list[tuple[str, str, str | None, Any]] = field(default_factory=list)
     """(name, layer, layer_kind, output) of the parametrised layers, in call order."""
 

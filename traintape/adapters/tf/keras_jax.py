@@ -18,7 +18,9 @@ state, through :class:`~traintape.adapters.tf.keras_hooks.StepHooks` and one mor
   the forward pass (inside ``jax.value_and_grad``, of ``stop_gradient`` values) and sent
   by their own ordered callback; probe snapshots (``probe=``) come from an eager probe
   run on the host on full-capture steps (:meth:`ActivationCapture.run_probe`);
-- the metrics ``batch_loss`` and ``grad/clip_factor``.
+- the metrics ``batch_loss``, ``lr`` (the rate applied at step t; Keras's variables hold
+  no value during ``fit``, so the callback cannot read it from the host) and
+  ``grad/clip_factor``.
 
 Everything goes through the JAX adapter's transport (:func:`traintape.adapters.jax.capture.emit`:
 the stat matrix computed in the compiled step by XLA or the FFI kernel, one ordered
@@ -33,6 +35,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import keras
 import numpy as np
 from jax.experimental import io_callback
 
@@ -106,6 +109,11 @@ class JaxStep(StepHooks):
             if ctx is not None:
                 ctx.grads = unscaled(opt, list(grads))
                 ctx.clip = clip_factor(opt, ctx.grads)
+                with keras.StatelessScope(
+                    state_mapping=list(zip(opt.variables, optimizer_variables, strict=True))
+                ):
+                    lr = opt._get_current_learning_rate()  # the rate applied at step t
+                    ctx.lr = keras.ops.convert_to_tensor(lr)
             return orig_apply(optimizer_variables, grads, trainable_variables)
 
         def compute_loss_and_updates(*args: Any, **kwargs: Any) -> Any:
@@ -178,6 +186,9 @@ class JaxStep(StepHooks):
         if ctx.loss is not None:
             names.append(BATCH_LOSS)
             values.append(jnp.asarray(ctx.loss, jnp.float32))
+        if ctx.lr is not None:
+            names.append("lr")
+            values.append(jnp.asarray(ctx.lr, jnp.float32))
         if ctx.clip is not None:
             names.append(CLIP_FACTOR)
             values.append(jnp.asarray(ctx.clip, jnp.float32))
