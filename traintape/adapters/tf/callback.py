@@ -118,13 +118,13 @@ class Callback(keras.callbacks.Callback):
             from .keras_jax import JaxStep
 
             self._hooks = JaxStep(rec, model, name_map=self.name_map, kinds=kinds,
-                                  acts=self._acts, offset=offset)  # fmt: skip
+                                  acts=self._acts, offset=offset, metrics=self.metrics)  # fmt: skip
             self._hooks.install()
         elif backend == "torch":
             from .keras_torch import TorchStep
 
             self._hooks = TorchStep(rec, model, name_map=self.name_map, kinds=kinds,
-                                    acts=self._acts, offset=offset)  # fmt: skip
+                                    acts=self._acts, offset=offset, metrics=self.metrics)  # fmt: skip
             self._hooks.install()
         else:
             raise NotImplementedError(

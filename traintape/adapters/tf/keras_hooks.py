@@ -50,8 +50,13 @@ class StepContext:
 class StepHooks:
     """Installs the train-step, loss-tracker and activation hooks (see module)."""
 
-    def __init__(self, recorder: Recorder, model: Any, acts: Any = None) -> None:
+    def __init__(
+        self, recorder: Recorder, model: Any, acts: Any = None, *, metrics: bool = True
+    ) -> None:
         self.recorder = recorder
+        self.metrics = metrics
+        """Log ``batch_loss`` (and ``lr`` where the backend logs it from the step);
+        ``grad/clip_factor`` is logged either way (it belongs to ``grad``)."""
         self.model = model
         self.acts = acts
         self.ctx: StepContext | None = None
@@ -78,7 +83,7 @@ class StepHooks:
 
         self._patch(model, "train_step", train_step)
         tracker = getattr(model, "_loss_tracker", None)
-        if tracker is not None:
+        if tracker is not None and self.metrics:
             orig_update = tracker.update_state
 
             def update_state(values: Any, *a: Any, **kw: Any) -> Any:

@@ -66,8 +66,9 @@ class JaxStep(StepHooks):
         kinds: tuple[Kind, ...],
         acts: Any,
         offset: int,
+        metrics: bool = True,
     ) -> None:
-        super().__init__(recorder, model, acts)
+        super().__init__(recorder, model, acts, metrics=metrics)
         self.kinds = kinds
         self.offset = offset
         opt = model.optimizer
@@ -109,11 +110,11 @@ class JaxStep(StepHooks):
             if ctx is not None:
                 ctx.grads = unscaled(opt, list(grads))
                 ctx.clip = clip_factor(opt, ctx.grads)
-                with keras.StatelessScope(
-                    state_mapping=list(zip(opt.variables, optimizer_variables, strict=True))
-                ):
-                    lr = opt._get_current_learning_rate()  # the rate applied at step t
-                    ctx.lr = keras.ops.convert_to_tensor(lr)
+                if self.metrics:
+                    mapping = list(zip(opt.variables, optimizer_variables, strict=True))
+                    with keras.StatelessScope(state_mapping=mapping):
+                        lr = opt._get_current_learning_rate()  # the rate applied at step t
+                        ctx.lr = keras.ops.convert_to_tensor(lr)
             return orig_apply(optimizer_variables, grads, trainable_variables)
 
         def compute_loss_and_updates(*args: Any, **kwargs: Any) -> Any:

@@ -52,8 +52,9 @@ class TorchStep(StepHooks):
         kinds: tuple[Kind, ...],
         acts: Any,
         offset: int,
+        metrics: bool = True,
     ) -> None:
-        super().__init__(recorder, model, acts)
+        super().__init__(recorder, model, acts, metrics=metrics)
         self.kinds = kinds
         self.offset = offset
         rec = recorder
