@@ -77,7 +77,9 @@ class Callback(keras.callbacks.Callback):
         self.recorder = recorder
         self.name_map = name_map
         self.explicit = None if kinds is None else tuple(Kind(k) for k in kinds)
-        self.want_activations = activations if kinds is None else Kind.ACTIVATION in self.explicit
+        self.want_activations = (
+            activations if self.explicit is None else Kind.ACTIVATION in self.explicit
+        )
         self.metrics = metrics
         self.probe = probe
         self._acts: ActivationCapture | None = None

@@ -211,7 +211,11 @@ def _children(layer: Any) -> list[tuple[list[str], Any]]:
             if not isinstance(sub, keras.layers.InputLayer):
                 out.append(([sub.name], sub))
         return out
-    for attr, val in vars(layer).items():
+    attrs = dict(vars(layer))
+    # torch backend: Keras layers are torch Modules, which keep sub-modules in _modules
+    for attr, val in getattr(layer, "_modules", {}).items():
+        attrs.setdefault(attr, val)
+    for attr, val in attrs.items():
         if attr.startswith("_"):
             continue
         if isinstance(val, keras.layers.Layer):
