@@ -212,9 +212,10 @@ class Callback(keras.callbacks.Callback):
             a = np.asarray(v)
             if a.size == 1 and a.dtype.kind in "fiu":
                 vals[k] = float(a)
-        lr = getattr(self._model.optimizer, "learning_rate", None)
-        with contextlib.suppress(TypeError, ValueError, AttributeError):
-            vals.setdefault("lr", float(np.asarray(keras.ops.convert_to_numpy(lr))))
+        if self._backend != "jax":  # JAX: the variables hold no value during fit; the
+            lr = getattr(self._model.optimizer, "learning_rate", None)  # step logs lr
+            with contextlib.suppress(TypeError, ValueError, AttributeError):
+                vals.setdefault("lr", float(np.asarray(keras.ops.convert_to_numpy(lr))))
         rec.log(step, vals)
 
 
