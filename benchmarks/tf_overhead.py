@@ -68,7 +68,6 @@ if "--keras-jax" in sys.argv:  # Keras picks its backend when first imported
     os.environ["KERAS_BACKEND"] = "jax"
 
 import numpy as np
-import tensorflow as tf
 from _common import (
     add_common_args,
     apply_quick,
@@ -80,9 +79,13 @@ from _common import (
 )
 
 import traintape
-import traintape.tf as ttf
-from traintape.adapters.tf import capture as tf_capture
-from traintape.adapters.tf import stats as tf_stats
+
+if "--keras-jax" not in sys.argv:  # the Keras-on-JAX comparison needs no TensorFlow
+    import tensorflow as tf
+
+    import traintape.tf as ttf
+    from traintape.adapters.tf import capture as tf_capture
+    from traintape.adapters.tf import stats as tf_stats
 
 
 def main() -> None:
