@@ -203,3 +203,16 @@ def test_explicit_kinds_win_over_the_policy(runs: dict[str, Path], backend: str)
     kinds = {k.value for k in run.kinds()}
     assert {"param", "grad", "opt_state"} <= kinds
     assert "update" not in kinds and "activation" not in kinds
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "tensorflow"])
+def test_callback_imports_no_tensorflow_off_the_tf_backend(backend: str) -> None:
+    code = (
+        "import sys, traintape.keras\n"
+        "from traintape.adapters.tf import keras_hooks, keras_" + backend + "\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'tensorflow'))\n"
+    )
+    env = {**os.environ, "KERAS_BACKEND": backend, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=300, check=True)  # fmt: skip
+    assert p.stdout.strip().splitlines()[-1] == "[]"

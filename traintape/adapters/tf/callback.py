@@ -222,9 +222,9 @@ class Callback(keras.callbacks.Callback):
 def _stats_backend(backend: str) -> str:
     """``Producer.stats_backend`` of a Keras run on ``backend``."""
     if backend == "jax":
-        from traintape.adapters.jax.stats import stats_backend
+        from .keras_jax import stats_backend as jax_stats_backend
 
-        return stats_backend()
+        return jax_stats_backend()
     if backend == "torch":
         from traintape.core.stats import backend as host_backend
 

@@ -46,12 +46,14 @@ from traintape.schema.stats import activation_map
 from ..jax.capture import Group as JaxGroup
 from ..jax.capture import emit, pump_for
 from ..jax.names import Leaf
-from ..jax.stats import device_stats
+from ..jax.stats import device_stats, stats_backend
 from .canonical import activation_spec
 from .keras_hooks import BATCH_LOSS, CLIP_FACTOR, StepContext, StepHooks, clip_factor, unscaled
 from .names import Entry, model_entries
 from .opt_state import find_slots
 from .recording import declare, selected
+
+__all__ = ["JaxStep", "stats_backend"]
 
 
 class JaxStep(StepHooks):
