@@ -192,3 +192,25 @@ def test_explicit_kinds_win_over_the_default_policy(mem_url: str) -> None:
     mu = opt._momentums[opt._get_variable_index(m.trainable_variables[0])].numpy()
     got = run.stats("opt_state").set_index("tensor").loc["fc1/kernel/mu"]
     assert got["l2"] == pytest.approx(float(np.sqrt((mu.astype(np.float64) ** 2).sum())), rel=1e-6)
+
+
+def test_callback_restores_jit_compile_on_tensorflow(run_dir: str) -> None:
+    import traintape.keras as ttk
+
+    m = _model()
+    m.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", jit_compile=True)
+    seen: list[bool] = []
+
+    class Watch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch: int, logs: object = None) -> None:
+            seen.append(bool(self.model.jit_compile))
+
+    x, y = _batch()
+    with traintape.Recorder(run_dir) as rec:
+        m.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[ttk.Callback(rec), Watch()])
+    assert seen == [False, False]  # tf.numpy_function cannot be XLA-compiled
+    assert m.jit_compile is True  # restored after fit
+    run = traintape.open_run(run_dir)
+    assert list(run.steps) == [0, 1]
+    version = run.manifest.producer.framework_version
+    assert version.startswith(f"{keras.__version__} / tensorflow ")
