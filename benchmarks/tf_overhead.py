@@ -33,8 +33,24 @@ free of the step-to-step noise.
 
 Prints ms/step medians, overhead / floor and overhead as % of step (in-step, in situ
 and isolated), and the tf.summary ratio.
+
+``--keras-jax``: instead, Keras 3 on the JAX backend (``KERAS_BACKEND=jax``, set by this
+script before Keras is imported), the same MLP and batch, Adam, ``jit_compile`` on:
+
+- ``keras``: Keras's own train step, jitted exactly as ``fit`` jits it
+  (``jax.jit(model.train_step, donate_argnums=0)`` over the explicit state);
+- ``keras_traintape``: a second model with the same weights and
+  ``traintape.keras.Callback`` installed (``on_train_begin``: its hooks in the train
+  step, stats computed inside the jitted step), jitted the same way, with the
+  callback's ``on_train_batch_begin``/``on_train_batch_end`` called as ``fit`` calls them
+  (the default policy: param, grad, update, activation stats every step; the batch's
+  ``logs`` logged).
+
+Both block on the step's loss each step; interleaved in rounds as above. Prints the
+ratio keras_traintape / keras (target <= 1.2x).
+
 Usage: python benchmarks/tf_overhead.py [--batch 512] [--rounds 12] [--steps 3]
-[--kernel-reps 5] [--threads 2] [--quick]
+[--kernel-reps 5] [--threads 2] [--quick] [--keras-jax]
 """
 
 from __future__ import annotations
@@ -42,14 +58,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
 from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+if "--keras-jax" in sys.argv:  # Keras picks its backend when first imported
+    os.environ["KERAS_BACKEND"] = "jax"
 
 import numpy as np
-import tensorflow as tf
 from _common import (
     add_common_args,
     apply_quick,
@@ -61,17 +79,27 @@ from _common import (
 )
 
 import traintape
-import traintape.tf as ttf
-from traintape.adapters.tf import capture as tf_capture
-from traintape.adapters.tf import stats as tf_stats
+
+if "--keras-jax" not in sys.argv:  # the Keras-on-JAX comparison needs no TensorFlow
+    import tensorflow as tf
+
+    import traintape.tf as ttf
+    from traintape.adapters.tf import capture as tf_capture
+    from traintape.adapters.tf import stats as tf_stats
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_args(ap, rounds=12, steps=3)
     ap.add_argument("--kernel-reps", type=int, default=5, help="isolated calls per round")
+    ap.add_argument(
+        "--keras-jax", action="store_true", help="Keras 3 on JAX: fit's step vs callback"
+    )
     args = ap.parse_args()
     sizes = apply_quick(args)
+    if args.keras_jax:
+        keras_jax(args, sizes)
+        return
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     tf.config.threading.set_inter_op_parallelism_threads(args.threads)
     os.environ.setdefault("TRAINTAPE_FUSED_THREADS", str(args.threads))
@@ -222,6 +250,76 @@ def main() -> None:
     rel = f", {over_sum / over_tt:.0f}x traintape's" if over_tt > 0 else ""
     print(f"\ntf.summary.histogram every var+grad: step {t.ratio('tf_summary', 'baseline'):.2f}x "
           f"baseline ({over_sum:.1f} ms overhead{rel})")  # fmt: skip
+
+
+def keras_jax(args: argparse.Namespace, sizes: list[int]) -> None:
+    """The ``--keras-jax`` comparison (module docstring)."""
+    import jax
+    import keras
+
+    import traintape.keras as ttk
+
+    assert keras.backend.backend() == "jax", keras.backend.backend()
+
+    def build() -> Any:
+        keras.utils.set_random_seed(0)
+        m = keras.Sequential(
+            [keras.Input((sizes[0],))]
+            + [keras.layers.Dense(b, activation="relu", name=f"d{i}")
+               for i, b in enumerate(sizes[1:-1])]
+            + [keras.layers.Dense(sizes[-1], name="out")]
+        )  # fmt: skip
+        m.compile(optimizer=keras.optimizers.Adam(1e-4),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))  # fmt: skip
+        m.optimizer.build(m.trainable_variables)
+        return m
+
+    r = np.random.default_rng(0)
+    x = jax.numpy.asarray(r.normal(size=(args.batch, sizes[0])).astype("float32"))
+    y = jax.numpy.asarray(r.integers(0, sizes[-1], size=(args.batch,)).astype("int32"))
+    plain, recorded = build(), build()
+    recorded.set_weights(plain.get_weights())
+    n_params = int(sum(np.prod(v.shape) for v in plain.trainable_variables))
+    rec = traintape.Recorder("memory://keras-jax-bench", flush_every_steps=10_000)
+    cb = ttk.Callback(rec)
+    cb.set_model(recorded)
+    cb.on_train_begin()
+    assert recorded.jit_compile, "jit_compile must stay on"
+
+    def state_of(m: Any) -> Any:
+        return m._get_jax_state(trainable_variables=True, non_trainable_variables=True,
+                                optimizer_variables=True, metrics_variables=True)  # fmt: skip
+
+    f_plain = jax.jit(plain.train_step, donate_argnums=0)
+    f_rec = jax.jit(recorded.train_step, donate_argnums=0)
+    states = {"keras": state_of(plain), "keras_traintape": state_of(recorded)}
+    batch = [0]
+
+    def run_plain() -> None:
+        logs, states["keras"] = f_plain(states["keras"], (x, y))
+        jax.block_until_ready(logs["loss"])
+
+    def run_rec() -> None:
+        cb.on_train_batch_begin(batch[0])
+        logs, states["keras_traintape"] = f_rec(states["keras_traintape"], (x, y))
+        jax.block_until_ready(logs["loss"])
+        cb.on_train_batch_end(batch[0], logs)
+        batch[0] += 1
+
+    print(f"model: Keras MLP {sizes}, {n_params / 1e6:.2f}M params, batch {args.batch}, "
+          f"keras {keras.__version__} / jax {jax.__version__} ({jax.default_backend()}), "
+          f"jit on, traintape stats: {rec.manifest.producer.stats_backend}")  # fmt: skip
+    for fn in (run_plain, run_rec):
+        fn()  # trace + compile
+    t = interleave({"keras": repeat("keras", run_plain, args.steps),
+                    "keras_traintape": repeat("keras_traintape", run_rec, args.steps)},
+                   args.rounds)  # fmt: skip
+    rec.close()
+    print_table(t, "keras")
+    d, lo, hi = t.delta("keras_traintape", "keras")
+    print(f"\nKeras on JAX, callback vs none: {t.ratio('keras_traintape', 'keras'):.3f}x "
+          f"(paired delta {d:.2f} ms [{lo:.2f}, {hi:.2f}]; target <= 1.2x); "
+          f"{len(rec.manifest.tensors)} tensors recorded per step")  # fmt: skip
 
 
 if __name__ == "__main__":

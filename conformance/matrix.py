@@ -27,7 +27,7 @@ from conformance.worker import FRAMEWORKS, store_path, written_in
 
 DTYPES = ("float32", "float64")
 ADAM_CONFIGS = ("float32+adam", "float64+adam")
-ADAM_FRAMEWORKS = ("torch", "tf", "jax-linen", "jax-nnx", "equinox")
+ADAM_FRAMEWORKS = ("torch", "tf", "jax-linen", "jax-nnx", "equinox", "keras-jax", "keras-torch")
 """Adam runs in every framework: torch ``Adam`` ⇔ ``optax.adam`` ⇔ Keras ``Adam`` with
 ε_K(t) = ε·√(1−β₂ᵗ) (Keras adds ε to the uncorrected √v; README). The Adam cells also
 compare ``opt_state`` (``<param>/mu``, ``<param>/nu``)."""

@@ -1,4 +1,6 @@
-"""The conformance models in Keras 3 / TensorFlow (layer names = canonical layer names).
+"""The conformance models in Keras 3 (layer names = canonical layer names), on the
+TensorFlow backend (column ``tf``) and, with ``KERAS_BACKEND`` set by the worker, on JAX
+(``keras-jax``) and torch (``keras-torch``): the same script on every backend.
 
 Trained with ``model.fit`` and ``traintape.keras.Callback`` (param, grad, update,
 activation and, with Adam, opt_state capture; probe activations snapshotted on
@@ -16,10 +18,12 @@ from conformance import spec as S
 def _keras(dtype: str) -> Any:
     os.environ.setdefault("TF_DETERMINISTIC_OPS", "1")
     import keras
-    import tensorflow as tf
 
-    tf.config.experimental.enable_tensor_float_32_execution(False)
-    tf.config.experimental.enable_op_determinism()
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        tf.config.experimental.enable_tensor_float_32_execution(False)
+        tf.config.experimental.enable_op_determinism()
     keras.config.set_floatx(dtype)
     keras.utils.set_random_seed(0)
     return keras
@@ -153,13 +157,15 @@ def _adam(keras: Any) -> Any:
     a batch adds Σ gᵢ² to ``v`` instead of (Σ gᵢ)²; torch and optax take the dense
     gradient. SGD with momentum is linear in g, so it needs none.
     """
-    import tensorflow as tf
-
     ops = keras.ops
+    dense = keras.backend.backend() == "tensorflow"  # other backends' gradients are dense
 
     class TorchEpsilonAdam(keras.optimizers.Adam):
         def update_step(self, gradient: Any, variable: Any, learning_rate: Any) -> None:
-            gradient = tf.convert_to_tensor(gradient)  # IndexedSlices -> dense
+            if dense:
+                import tensorflow as tf
+
+                gradient = tf.convert_to_tensor(gradient)  # IndexedSlices -> dense
             eps: Any = self.epsilon
             t = ops.cast(self.iterations + 1, variable.dtype)
             self.epsilon = S.keras_adam_epsilon(t, ops)

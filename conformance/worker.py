@@ -12,7 +12,10 @@ from pathlib import Path
 
 from conformance import spec as S
 
-FRAMEWORKS = ("torch", "tf", "jax-linen", "jax-nnx", "equinox")
+FRAMEWORKS = ("torch", "tf", "jax-linen", "jax-nnx", "equinox", "keras-jax", "keras-torch")
+KERAS_BACKENDS = {"keras-jax": "jax", "keras-torch": "torch"}
+"""Columns of the Keras models (``models_tf``) run on another Keras 3 backend: the same
+script with ``KERAS_BACKEND`` set, as a user switches backends."""
 
 
 def written_in(framework: str) -> tuple[str, ...]:
@@ -44,9 +47,26 @@ def train(framework: str, model: str, url: str, config: str) -> None:
         return
     elif framework == "equinox":
         from conformance import models_equinox as M  # type: ignore[no-redef]
+    elif framework in KERAS_BACKENDS:
+        _keras_backend(KERAS_BACKENDS[framework], dtype)
+        from conformance import models_tf as M  # type: ignore[no-redef]
     else:
         raise KeyError(framework)
     M.train(model, url, dtype, optimizer=opt)
+
+
+def _keras_backend(backend: str, dtype: str) -> None:
+    """Select Keras's backend for this worker process (before Keras is imported); JAX
+    computes in float64 only with x64 enabled."""
+    import os
+
+    if "keras" in sys.modules and os.environ.get("KERAS_BACKEND") != backend:
+        raise RuntimeError(f"keras is already imported with another backend than {backend}")
+    os.environ["KERAS_BACKEND"] = backend
+    if backend == "jax" and dtype == "float64":
+        import jax
+
+        jax.config.update("jax_enable_x64", True)
 
 
 def store_path(root: str | Path, framework: str, model: str, dtype: str) -> Path:

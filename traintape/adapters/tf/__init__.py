@@ -1,20 +1,32 @@
-"""TensorFlow / Keras 3 adapter (see :mod:`traintape.tf` and :mod:`traintape.keras`)."""
+"""TensorFlow / Keras 3 adapter (see :mod:`traintape.tf` and :mod:`traintape.keras`).
 
-from .callback import Callback
-from .canonical import from_canonical, to_canonical
-from .names import model_entries
-from .optimizer import observe_optimizer, unobserve_optimizer
-from .stats import stat_matrix, stat_vector
-from .tape import GradientTape
+Attributes are imported on first use: the Keras callback, names and canonical weights
+need only Keras (any backend); the tape, the optimizer observer and the TF stat ops
+import TensorFlow.
+"""
 
-__all__ = [
-    "Callback",
-    "GradientTape",
-    "from_canonical",
-    "model_entries",
-    "observe_optimizer",
-    "stat_matrix",
-    "stat_vector",
-    "to_canonical",
-    "unobserve_optimizer",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_WHERE = {
+    "Callback": "callback",
+    "GradientTape": "tape",
+    "from_canonical": "canonical",
+    "to_canonical": "canonical",
+    "model_entries": "names",
+    "observe_optimizer": "optimizer",
+    "unobserve_optimizer": "optimizer",
+    "stat_matrix": "stats",
+    "stat_vector": "stats",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    mod = _WHERE.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{mod}"), name)

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from traintape.core.naming import NameMap, canonical_name
 from traintape.core.recorder import Recorder
@@ -27,7 +27,6 @@ from traintape.schema import Kind
 from traintape.schema.names import split_name
 
 from .canonical import activation_spec
-from .capture import Group
 from .names import layer_paths, model_entries
 
 
@@ -43,6 +42,9 @@ class ActivationCapture:
         self._probing = False
         self._probe_out: dict[str, np.ndarray] = {}
         self._probe_snaps: dict[int, dict[str, np.ndarray]] = {}
+        self.sink: Callable[[str, str, str | None, Any], None] | None = None
+        """Where training-mode outputs go on the JAX and torch backends: called as
+        ``sink(name, layer, layer_kind, output)`` (TF: None, the stash below)."""
 
     @property
     def installed(self) -> bool:
@@ -84,7 +86,8 @@ class ActivationCapture:
             out = orig(*args, **kwargs)
             if self._probing:
                 t = out[0] if isinstance(out, (list, tuple)) else out
-                self._probe_out[name] = np.asarray(t)
+                # convert_to_numpy detaches (torch) and copies from the device
+                self._probe_out[name] = np.asarray(keras.ops.convert_to_numpy(t))
                 return out
             ctx = layer._get_call_context() if hasattr(layer, "_get_call_context") else None
             training = getattr(ctx, "training", None) if ctx is not None else None
@@ -92,6 +95,11 @@ class ActivationCapture:
                 training = kwargs.get("training")
             if training:
                 t = out[0] if isinstance(out, (list, tuple)) else out
+                if self.sink is not None:
+                    self.sink(name, split_name(name)[0], kind, t)
+                    return out
+                import tensorflow as tf
+
                 if isinstance(t, tf.Tensor):
                     old = stash.get(name)
                     if old is not None and _graph_of(old[2]) is not _graph_of(t):
@@ -102,7 +110,7 @@ class ActivationCapture:
         object.__setattr__(layer, "call", call)
         self._wrapped.append(layer)
 
-    def groups(self) -> list[Group]:
+    def groups(self) -> list[Any]:
         """The activation group of the step being run eagerly or traced (empties the
         stash of that graph).
 
@@ -110,6 +118,10 @@ class ActivationCapture:
         the specs are declared in forward order (the recorder keeps it as
         ``manifest.forward_order``).
         """
+        import tensorflow as tf
+
+        from .capture import Group
+
         rec = self.recorder
         graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
         items = [

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import keras
 import numpy as np
-import tensorflow as tf
 
 from traintape.core.naming import NameMap
 from traintape.schema import Kind, TensorSpec
@@ -60,7 +60,7 @@ def from_canonical(
     for e, arr in sorted(given, key=lambda p: p[0].zero):
         v = e.variable
         if id(v) not in bufs:
-            bufs[id(v)] = (v, np.array(v.numpy(), copy=True))
+            bufs[id(v)] = (v, np.array(keras.ops.convert_to_numpy(v), copy=True))
         buf = bufs[id(v)][1]
         if e.zero:
             e.transform.write(buf, e.transform.np(buf) + arr.astype(buf.dtype, copy=False))
@@ -76,7 +76,7 @@ def entry_spec(e: Entry, kind: Kind | str) -> TensorSpec:
         e.name,
         kind,
         layer_kind=e.layer_kind,
-        dtype=tf.as_dtype(e.variable.dtype).name,
+        dtype=keras.backend.standardize_dtype(e.variable.dtype),
         shape=e.shape,
         source_name=e.source_name,
         source_shape=e.source_shape,

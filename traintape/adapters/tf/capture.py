@@ -27,9 +27,11 @@ from traintape.core.recorder import KindRows, Recorder
 from traintape.schema import Kind
 from traintape.schema.stats import IndexMap, activation_map
 
+from .recording import declare, selected
 from .stats import host_raw_matrices, host_stats_enabled, raw_matrix
 
 _log = logging.getLogger("traintape")
+__all__ = ["Group", "declare", "emit", "selected"]
 TensorsFn = Callable[[], Sequence[Any]]
 
 
@@ -175,16 +177,3 @@ def _emit_graph(rec: Recorder, step: tf.Tensor, groups: Sequence[Group]) -> tf.T
         return tf.cond(pol.is_full(step), with_full, stats_only)
 
     return tf.cond(pol.captures(step), taken, lambda: tf.constant(0, tf.int64))
-
-
-def selected(rec: Recorder, entries: Sequence[Any]) -> list[Any]:
-    """Entries (anything with ``.name``) selected by the policy's include/exclude globs."""
-    return [e for e in entries if rec.policy.selects(e.name)]
-
-
-def declare(rec: Recorder, kind: Kind, entries: Sequence[Any]) -> None:
-    """Declare parameter-layout specs of ``entries`` for ``kind`` (idempotent)."""
-    from .canonical import entry_spec
-
-    if entries and rec.policy.records_kind(kind):
-        rec.declare([entry_spec(e, kind) for e in entries])

@@ -64,7 +64,6 @@ from typing import Any
 
 import keras
 import numpy as np
-import tensorflow as tf
 from numpy.typing import NDArray
 
 from traintape.core.naming import NameMap, canonical_name
@@ -94,14 +93,29 @@ class Transform:
     def identity(self) -> bool:
         return self.row is None and self.cols is None and self.shape is None
 
-    def tf(self, x: Any) -> tf.Tensor:
-        """Source tensor (TF) → canonical tensor (TF), inside or outside tf.function."""
+    def tf(self, x: Any) -> Any:
+        """Source tensor → canonical tensor of the Keras backend's own kind (a TF tensor
+        inside or outside ``tf.function``, a traced JAX array inside the compiled step,
+        a torch tensor)."""
+        if self.identity:
+            return x
+        if keras.backend.backend() == "tensorflow":
+            import tensorflow as tf
+
+            if self.row is not None:
+                x = x[self.row]
+            if self.cols is not None:
+                x = tf.gather(x, list(self.cols), axis=-1)
+            if self.shape is not None:
+                x = tf.reshape(x, self.shape)
+            return x
+        ops = keras.ops
         if self.row is not None:
             x = x[self.row]
         if self.cols is not None:
-            x = tf.gather(x, list(self.cols), axis=-1)
+            x = ops.take(x, np.asarray(self.cols, np.int32), axis=-1)
         if self.shape is not None:
-            x = tf.reshape(x, self.shape)
+            x = ops.reshape(x, self.shape)
         return x
 
     def np(self, x: np.ndarray) -> np.ndarray:
@@ -148,19 +162,34 @@ class Entry:
             return None
         return tuple(int(d) for d in self.variable.shape)
 
-    def read(self) -> tf.Tensor:
-        """The canonical value as a TF tensor (in-graph safe)."""
-        x = self.transform.tf(tf.convert_to_tensor(self.variable))
-        return tf.zeros_like(x) if self.zero else x
+    def read(self) -> Any:
+        """The canonical value as a backend tensor (in-graph / in-trace safe)."""
+        return self.canonical(_tensor(self.variable))
+
+    def canonical(self, x: Any) -> Any:
+        """``x`` (a value of the backing variable, a backend tensor) in canonical layout;
+        zeros for a ``zero`` entry."""
+        x = self.transform.tf(x)
+        return keras.ops.zeros_like(x) if self.zero else x
 
     def read_np(self) -> np.ndarray:
         """The canonical value as a host array (eager only)."""
-        x = self.transform.np(np.asarray(self.variable.numpy()))
+        x = self.transform.np(np.asarray(keras.ops.convert_to_numpy(self.variable)))
         return np.zeros_like(x) if self.zero else x
 
-    def grad(self, g: Any) -> tf.Tensor:
+    def grad(self, g: Any) -> Any:
         """The canonical gradient from the gradient ``g`` of the backing variable."""
-        return self.transform.tf(tf.convert_to_tensor(g))
+        return self.transform.tf(_tensor(g))
+
+
+def _tensor(x: Any) -> Any:
+    """A variable's value or a gradient as a dense backend tensor (TF ``IndexedSlices``
+    densified)."""
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        return tf.convert_to_tensor(x)
+    return keras.ops.convert_to_tensor(x)
 
 
 def _gate_cols(units: int, order: Sequence[int]) -> tuple[int, ...]:
@@ -182,7 +211,11 @@ def _children(layer: Any) -> list[tuple[list[str], Any]]:
             if not isinstance(sub, keras.layers.InputLayer):
                 out.append(([sub.name], sub))
         return out
-    for attr, val in vars(layer).items():
+    attrs = dict(vars(layer))
+    # torch backend: Keras layers are torch Modules, which keep sub-modules in _modules
+    for attr, val in getattr(layer, "_modules", {}).items():
+        attrs.setdefault(attr, val)
+    for attr, val in attrs.items():
         if attr.startswith("_"):
             continue
         if isinstance(val, keras.layers.Layer):

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import keras
-import tensorflow as tf
 
 from traintape.core.naming import canonical_name
 from traintape.schema import Kind, TensorSpec
@@ -101,9 +100,9 @@ class Slot:
     variable: Any
     spec: TensorSpec
 
-    def read(self) -> tf.Tensor:
+    def read(self) -> Any:
         """The slot in the parameter's canonical layout (in-graph safe; never zeroed)."""
-        return self.entry.transform.tf(tf.convert_to_tensor(self.variable))
+        return self.entry.transform.tf(keras.ops.convert_to_tensor(self.variable))
 
 
 def find_slots(optimizer: Any, entries: Sequence[Entry]) -> list[Slot]:
@@ -130,7 +129,7 @@ def find_slots(optimizer: Any, entries: Sequence[Entry]) -> list[Slot]:
             source = f"{v.path}{suffix}"
             name = canonical_name([e.name, field], None, source)
             spec = TensorSpec.build(  # as in the torch and JAX adapters, the parameter is the layer
-                name, Kind.OPT_STATE, dtype=tf.as_dtype(v.dtype).name, shape=e.shape,
+                name, Kind.OPT_STATE, dtype=keras.backend.standardize_dtype(v.dtype), shape=e.shape,
                 source_name=source, source_shape=src,
             )  # fmt: skip
             out.append(Slot(name, e, v, spec))

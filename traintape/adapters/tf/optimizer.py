@@ -17,9 +17,11 @@ Gradient accumulation (``gradient_accumulation_steps``) is not supported.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from traintape.core.naming import NameMap
@@ -27,10 +29,13 @@ from traintape.core.recorder import Recorder
 from traintape.schema import Kind
 
 from .capture import Group, declare, emit, selected
+from .keras_hooks import CLIP_FACTOR, clip_factor, unscaled
 from .names import Entry, variable_entries
 from .opt_state import Slot, find_slots
+from .recording import request_kinds, start_offset
 
 _OBSERVERS: dict[int, _Observer] = {}
+_log = logging.getLogger("traintape")
 
 
 class _Reshaped:
@@ -57,6 +62,8 @@ class _Observer:
         self.extra: list[Callable[[], list[Group]]] = []  # more groups (activations)
         self.state: list[tuple[Entry, Any]] = []  # (running-stat entry, θ_t shadow variable)
         self.orig = optimizer.apply
+        self.offset = 0
+        """Recorded step = ``optimizer.iterations`` + offset (:func:`.recording.start_offset`)."""
         self._slots: dict[tuple[int, ...], list[Slot]] = {}
 
     def entries(self, variables: Sequence[Any]) -> list[list[Entry]]:
@@ -89,8 +96,8 @@ class _Observer:
         else:
             variables = list(trainable_variables)
         grads_l = list(grads)
-        step = tf.identity(opt.iterations.value) if not tf.executing_eagerly() else int(
-            opt.iterations.numpy())  # fmt: skip
+        step = self._step()
+        self._log_clip(step, grads_l)
         per_var = self.entries(variables)
         pairs = [(e, g) for es, g in zip(per_var, grads_l, strict=True) for e in es
                  if g is not None]  # fmt: skip
@@ -121,8 +128,10 @@ class _Observer:
                 declare(rec, Kind.PARAM, ents + [e for e, _ in state])
             groups.append(Group(Kind.PARAM, names + [e.name for e, _ in state],
                                 lambda: _dense(before) + [sh.read_value() for _, sh in state]))  # fmt: skip
-        if Kind.GRAD in self.kinds:
-            groups.append(Group(Kind.GRAD, names, lambda: [e.grad(g) for e, g in pairs]))
+        if Kind.GRAD in self.kinds:  # raw: Keras clips inside ``apply``
+            scale = getattr(opt, "loss_scale_factor", None)
+            groups.append(Group(Kind.GRAD, names, lambda: [
+                e.grad(g if scale is None else g / scale) for e, g in pairs]))  # fmt: skip
         if Kind.UPDATE in self.kinds:
             groups.append(Group(Kind.UPDATE, names, lambda: [
                 e.read() - b for e, b in zip(ents, _dense(before), strict=True)]))  # fmt: skip
@@ -133,6 +142,38 @@ class _Observer:
         emit(rec, step, groups)
         self._sync()
         return out
+
+    def _step(self) -> Any:
+        """The recorded step of this call: ``iterations`` + the offset (a scalar tensor in
+        a graph)."""
+        opt = self.optimizer
+        if not tf.executing_eagerly():
+            return tf.identity(opt.iterations.value) + self.offset
+        return int(opt.iterations.numpy()) + self.offset
+
+    def _log_clip(self, step: Any, grads: list[Any]) -> None:
+        """Log ``grad/clip_factor`` (the optimizer's clipping of these raw gradients)."""
+        rec = self.recorder
+        factor = clip_factor(self.optimizer, unscaled(self.optimizer, grads))
+        if factor is None or not rec.enabled:
+            return
+
+        def host(s: Any, f: Any) -> np.int64:
+            s = int(s)
+            try:
+                if rec.policy.captures(s):
+                    rec.log(s, {CLIP_FACTOR: float(f)})
+            except Exception:
+                if rec.strict:
+                    raise
+                _log.exception("traintape.tf: logging %s at step %s failed", CLIP_FACTOR, s)
+            return np.int64(0)
+
+        if tf.executing_eagerly():
+            host(step, factor.numpy())
+        else:
+            tf.numpy_function(host, [tf.cast(step, tf.int64), tf.cast(factor, tf.float64)],
+                              tf.int64, stateful=True)  # fmt: skip
 
     def _snapshot_before(self, ents: list[Entry], step: Any) -> list[Any]:
         """θ_t of ``ents``, read before the update. In a graph the copy is only made on
@@ -168,7 +209,7 @@ def observe_optimizer(
     *,
     model: Any = None,
     name_map: NameMap = None,
-    kinds: Sequence[Kind | str] = (Kind.UPDATE, Kind.OPT_STATE),
+    kinds: Sequence[Kind | str] | None = None,
 ) -> Any:
     """Record ``kinds`` (default ``update`` and ``opt_state``) each time ``optimizer``
     applies gradients; a kind the recorder's policy does not record is skipped.
@@ -179,11 +220,24 @@ def observe_optimizer(
         kinds: any of ``param`` (θ_t), ``grad``, ``update`` (θ_{t+1} − θ_t),
             ``opt_state`` (the optimizer's slots after the step, ``<param>/mu``...: see
             :mod:`~traintape.adapters.tf.opt_state`); the step is the optimizer's
-            ``iterations`` before the update.
+            ``iterations`` before the update (a fresh optimizer counts from
+            ``Recorder.next_step``). Default ``update`` and ``opt_state`` where the
+            policy records them; kinds passed explicitly are recorded even where the
+            policy leaves them out.
+    ``grad`` is the gradient given to ``apply`` (before the optimizer's ``clipnorm``/
+    ``global_clipnorm``/``clipvalue``); when the optimizer clips, the factor is logged as
+    the metric ``grad/clip_factor``.
     Returns the same optimizer (observed in place; observing twice replaces the first).
     """
     unobserve_optimizer(optimizer)
+    if kinds is None:
+        kinds = (Kind.UPDATE, Kind.OPT_STATE)
+    else:
+        request_kinds(recorder, kinds, "traintape.tf observe_optimizer")
     obs = _Observer(optimizer, recorder, model, name_map, [Kind(k) for k in kinds])
+    with tf.init_scope():
+        it = int(optimizer.iterations.numpy())
+    obs.offset = start_offset(recorder, it, "traintape.tf observe_optimizer")
     _OBSERVERS[id(optimizer)] = obs
     object.__setattr__(optimizer, "apply", obs.apply)
     return optimizer

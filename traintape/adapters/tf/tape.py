@@ -14,6 +14,14 @@ the names the Keras callback gives them; :mod:`~traintape.adapters.tf.activation
 
 Step: ``step=`` (int or scalar tensor) if given, else ``optimizer.iterations``, else a
 counter kept per recorder (a ``tf.Variable``) that advances by one per ``gradient`` call.
+Counting starts at ``Recorder.next_step`` (a resumed run's ``resume_step``; a fresh
+optimizer's ``iterations`` is offset to it); an explicit ``step=`` that disagrees with it
+at the recorder's first record is a ``RecordError`` naming both numbers.
+
+``grad`` is the gradient ``gradient()`` returns (before any clipping); an observed
+optimizer that clips (``clipnorm``/``global_clipnorm``/``clipvalue``) logs the factor it
+applied as the metric ``grad/clip_factor``. ``update`` is θ_{t+1} − θ_t as applied, read
+from the variables in their storage dtype (0 where the step is below half an ulp).
 
 Inside ``tf.function`` the returned gradients are ``tf.identity`` of TF's (same values,
 same structure, ``None`` kept) with a control dependency on the recording, so whatever
@@ -28,6 +36,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from traintape.core.errors import RecordError
 from traintape.core.naming import NameMap
 from traintape.core.recorder import Recorder
 from traintape.schema import Kind
@@ -35,17 +44,21 @@ from traintape.schema import Kind
 from .activations import capture_for
 from .capture import Group, declare, emit
 from .optimizer import observe_optimizer, observer
+from .recording import next_step
 from .stats import stats_backend
 from .strategy import refuse_replicas
 
 _COUNTERS: dict[int, tuple[Recorder, tf.Variable]] = {}
+_CHECKED: dict[int, Recorder] = {}  # recorders whose first explicit step was checked
 
 
 def _counter(rec: Recorder) -> tf.Variable:
+    """The recorder's step counter, starting at ``Recorder.next_step``."""
     got = _COUNTERS.get(id(rec))
     if got is None or got[0] is not rec:
         with tf.init_scope():
-            v = tf.Variable(0, dtype=tf.int64, trainable=False, name="traintape_step")
+            v = tf.Variable(next_step(rec), dtype=tf.int64, trainable=False,
+                            name="traintape_step")  # fmt: skip
         got = (rec, v)
         _COUNTERS[id(rec)] = got
     return got[1]
@@ -103,6 +116,8 @@ class GradientTape(tf.GradientTape):
         """Exactly ``tf.GradientTape.gradient``; also records ``param`` and ``grad``."""
         grads = super().gradient(target, sources, output_gradients=output_gradients,
                                  unconnected_gradients=unconnected_gradients)  # fmt: skip
+        if self._tt_step is not None:  # a usage error, raised whatever ``strict`` says
+            self._check_first(self._tt_step)
         try:
             done = self._record(sources, grads)
         except Exception:
@@ -121,7 +136,9 @@ class GradientTape(tf.GradientTape):
             return self._tt_step
         if self._tt_opt is not None:
             it = self._tt_opt.iterations
-            return int(it.numpy()) if tf.executing_eagerly() else tf.identity(it.value)
+            obs = observer(self._tt_opt)
+            off = obs.offset if obs is not None and obs.recorder is self._tt_rec else 0
+            return int(it.numpy()) + off if tf.executing_eagerly() else tf.identity(it.value) + off
         c = _counter(self._tt_rec)
         if tf.executing_eagerly():
             s = int(c.numpy())
@@ -131,6 +148,23 @@ class GradientTape(tf.GradientTape):
         with tf.control_dependencies([s]):
             c.assign_add(1)
         return s
+
+    def _check_first(self, step: Any) -> None:
+        """An explicit ``step=`` must agree with a resumed recorder's ``next_step`` at its
+        first use (a Python int or an eager tensor; a traced step is not checked)."""
+        rec = self._tt_rec
+        if _CHECKED.get(id(rec)) is rec:
+            return
+        if isinstance(step, tf.Tensor) and not tf.executing_eagerly():
+            return
+        _CHECKED[id(rec)] = rec
+        nxt, got = next_step(rec), int(step)
+        if nxt and got != nxt:
+            raise RecordError(
+                f"traintape.tf.GradientTape: step={got} but the recorder {rec.url} resumes "
+                f"at step {nxt} (Recorder(resume_step={nxt})); pass step={nxt} for this "
+                f"batch or leave step= out (the tape then counts from {nxt})"
+            )
 
     def _record(self, sources: Any, grads: Any) -> Any:
         """Emit ``param`` and ``grad``; in a graph, return the emission's output tensor."""
