@@ -7,12 +7,13 @@ it to the background writer. Calling with a step before the open one, or not aft
 last committed one when resuming, is an error.
 
 Durability: rows are committed (made visible and durable) every ``flush_every_steps``
-rows, every ``flush_every_seconds`` seconds, on :meth:`Recorder.flush` and on
-:meth:`Recorder.close`. A process that dies loses what was not committed: the training
-thread runs at most ``flush_every_steps + 2 * max_pending`` sealed rows ahead of the last
-commit (``max_pending`` items wait in the queue while the writer commits a block of up to
-``flush_every_steps`` rows plus the backlog it took, itself at most ``max_pending``),
-plus the open step.
+rows, every ``flush_every_seconds`` seconds (whatever the writer's queue holds), on
+:meth:`Recorder.flush` and on :meth:`Recorder.close`. A process that dies loses what was
+not committed: the training thread runs at most ``flush_every_steps + 2 * max_pending + 1``
+sealed rows ahead of the last commit (``max_pending`` items wait in the queue and one in a
+hand-over while the writer commits a block of up to ``flush_every_steps`` rows plus the
+backlog it took, itself at most ``max_pending``), plus the open step. Storage slower than
+capture slows the training thread (back-pressure), never the commits.
 """
 
 from __future__ import annotations

@@ -608,11 +608,28 @@ class StoreWriter(_QueueWorker):
                     >= (self.max_pending_bytes if item.final else self.stream_bytes) // 2
                 ):
                     self._guarded(self._commit)  # make them durable: frees the byte budget
+            if self._commit_due():  # whatever the queue holds: never starved by a busy queue
+                self._guarded(self._commit)
+
+    def _commit_due(self) -> bool:
+        """Whether data is pending and ``flush_every_seconds`` have passed since the last
+        commit (checked after every item, not only when the queue runs empty: a producer
+        that keeps the queue full must not starve the commits)."""
+        return bool(self._rows or self._pending) and (
+            time.monotonic() >= self._last_commit + self.flush_every_seconds
+        )
 
     def _take_backlog(self) -> None:
         """Before a commit, take rows already waiting so one commit (one fsync round)
-        covers a backlog instead of the training thread stalling behind many commits."""
-        while True:
+        covers a backlog instead of the training thread stalling behind many commits.
+
+        Bounded: at most the items waiting when it starts (``max_pending``), and it stops
+        early once a commit is due (:meth:`_commit_due`) — a producer that refills the
+        queue as fast as it is taken never postpones the commit (issue 25: with an
+        unbounded loop a busy queue meant no commit at all)."""
+        for _ in range(self._queue.qsize()):
+            if self._commit_due() and self._rows:
+                return
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
