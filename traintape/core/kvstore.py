@@ -21,6 +21,28 @@ def _retries() -> dict[str, Any]:
     return {"gcs_request_retries": policy, "s3_request_retries": policy}
 
 
+def _request_timeouts() -> None:
+    """Request timeouts for remote (HTTP) kvstores: TensorStore's curl transport sets no
+    deadline on a transfer by default, so an endpoint that accepts a connection and stops
+    answering (a frozen server, a network partition) would hold a request for as long as
+    TCP keeps the socket (tens of minutes). A transfer slower than 1 byte/s for
+    ``$TRAINTAPE_REMOTE_TIMEOUT`` seconds (default 30) fails and is retried
+    (:func:`_retries`), and a connection not established in that time fails too. Set in
+    the environment before TensorStore's transport starts; explicit ``TENSORSTORE_CURL_*``
+    settings win. The writer's own deadline (``Recorder(write_timeout=...)``) bounds
+    what training waits for, whatever the kvstore."""
+    try:
+        t = float(os.environ.get("TRAINTAPE_REMOTE_TIMEOUT", "30"))
+    except ValueError:
+        t = 30.0
+    seconds = str(max(1, round(t)))
+    os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", seconds)
+    os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")
+    os.environ.setdefault("TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS", seconds)
+
+
+_request_timeouts()
+
 CONTEXT = ts.Context(_retries())
 """One TensorStore context for the process, so ``memory://`` stores are shared between a
 Recorder and a reader opened in the same process, caches/thread pools are reused, and

@@ -136,6 +136,12 @@ class Recorder:
             a number every that many seconds, False records none. Process 0's.
         samples_per_step: training samples per optimizer step (the global batch size),
             for ``sys/samples_per_s``.
+        write_timeout: seconds the writer may go without progress (no write completing)
+            before it is declared hung — storage that stopped answering (a frozen object
+            store, a hung NFS mount): capture is then disabled with a loud error, the
+            training thread never waits for the writer again, and :meth:`close` raises
+            :class:`CaptureDisabledError` without waiting. The most the training thread
+            waits on storage at any one time.
     """
 
     policy: CapturePolicy
@@ -162,6 +168,7 @@ class Recorder:
         resume_step: int | None = None,
         system_metrics: bool | float = True,
         samples_per_step: int | None = None,
+        write_timeout: float = 120.0,
     ) -> None:
         interval = 1.0 if system_metrics is True else float(system_metrics)
         if system_metrics is not False and not interval > 0:
@@ -186,6 +193,7 @@ class Recorder:
         if resume_step is not None:
             resume_step = check_step(resume_step)
         self._resume_step = resume_step
+        self._write_timeout = write_timeout
         args = (policy, run_id, producer, flush_every_steps, flush_every_seconds, max_pending,
                 max_pending_bytes, compression, user)  # fmt: skip
         failure: BaseException | None = None
@@ -319,6 +327,7 @@ class Recorder:
                 max_pending_bytes=max_pending_bytes,
                 claim=self._claim,
                 followers=self.group.count - 1,
+                write_timeout=self._write_timeout,
             )
             if existing is None:
                 writer._write_manifest(m.model_copy(deep=True))
