@@ -286,6 +286,13 @@ class Recorder:
         compression: str,
         user: Mapping[str, Any] | None,
     ) -> None:
+        # everything that can refuse is checked before anything changes (a refused
+        # resume must not have rewound the store first)
+        if existing is not None and policy is not None and policy != existing.policy:
+            raise RecordError(
+                f"store {self.url} was recorded with policy {existing.policy.model_dump()}; "
+                f"refusing to resume it with a different policy {policy.model_dump()}"
+            )
         if existing is not None and self._resume_step is not None:
             from traintape.core.rewind import rewind
 
@@ -297,11 +304,6 @@ class Recorder:
             m = existing
             # an older schema's stat vector (a subset of this build's) stays the store's:
             # appended rows keep its columns (the writer selects them by name)
-            if policy is not None and policy != m.policy:
-                raise RecordError(
-                    f"store {self.url} was recorded with policy {m.policy.model_dump()}; "
-                    f"refusing to resume it with a different policy {policy.model_dump()}"
-                )
             m.status = "open"
             if producer is not None:
                 m.producer = producer
