@@ -151,6 +151,54 @@ def _s3_defaults(spec: dict[str, Any]) -> dict[str, Any]:
     return spec
 
 
+KEY_SUFFIX = 64
+"""Characters kept free after an array's path for its longest key: ``/c/<index>/0/...``
+chunk keys of up to 16 dimensions and temporary files (``<key>.<n>.__lock``)."""
+
+REMOTE_KEY_BYTES = 1024
+"""The object-key limit of S3 and GCS (UTF-8 bytes)."""
+
+
+def check_key_length(url: str, array_path: str, ndim: int = 1) -> str | None:
+    """Why the keys of the array at ``array_path`` of the store at ``url`` would exceed
+    the storage's limits (a local file system's component and path lengths, an object
+    store's key length), or None when they fit."""
+    path = local_path(url)
+    extra = KEY_SUFFIX + 2 * ndim
+    if path is not None:
+        probe = path
+        while probe and not os.path.isdir(probe):
+            probe = os.path.dirname(probe) or "/"
+        try:
+            name_max = os.pathconf(probe or "/", "PC_NAME_MAX")
+            path_max = os.pathconf(probe or "/", "PC_PATH_MAX")
+        except (OSError, ValueError):
+            name_max, path_max = 255, 4096
+        for seg in array_path.split("/"):
+            if len(os.fsencode(seg)) > name_max:
+                return (
+                    f"its path segment {seg[:40]!r}... has {len(os.fsencode(seg))} bytes, "
+                    f"more than the file system's {name_max}"
+                )
+        full = len(os.fsencode(os.path.join(path, array_path))) + extra
+        if full > path_max:
+            return (
+                f"its files' paths would have about {full} bytes, more than the file "
+                f"system's {path_max}"
+            )
+        return None
+    spec = kvstore_spec(url, array_path)
+    if isinstance(spec, dict) and spec.get("driver") in ("s3", "gcs"):
+        key = len(str(spec.get("path", "")).encode()) + extra
+    elif url.startswith(("s3://", "gs://")):
+        key = len(url.split("://", 1)[1].partition("/")[2].encode()) + len(array_path) + extra
+    else:
+        return None
+    if key > REMOTE_KEY_BYTES:
+        return f"its object keys would have about {key} bytes, more than the {REMOTE_KEY_BYTES} allowed"
+    return None
+
+
 class KvStore:
     """Small-object access (JSON documents, listings) to a store's kvstore."""
 

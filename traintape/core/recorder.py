@@ -32,6 +32,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from traintape._version import __version__
+from traintape.core import layout as L
 from traintape.core.claim import STALE_AFTER, WriterClaim
 from traintape.core.errors import (
     CaptureDisabledError,
@@ -41,7 +42,7 @@ from traintape.core.errors import (
 )
 from traintape.core.group import ProcessGroup, check_group, detect
 from traintape.core.inputs import check_array, check_metric, check_step, check_user
-from traintape.core.kvstore import KvStore, Location, normalize_url
+from traintape.core.kvstore import KvStore, Location, check_key_length, normalize_url
 from traintape.core.registry import TensorRegistry
 from traintape.core.rows import NonfiniteEvents, RowState
 from traintape.core.stats import backend as host_backend
@@ -399,7 +400,27 @@ class Recorder:
         same layer, and a later spec that knows the kind fills it into earlier ones.
         """
         with self._lock:
+            self._check_spec_paths(specs)
             self._tensors.declare(specs, in_forward_order=in_forward_order)
+
+    def _check_path(self, array_path: str, what: str) -> None:
+        """Refuse (RecordError, at the call) a name whose array's keys would exceed the
+        storage's path or key limits — found at a commit, it would disable capture."""
+        why = check_key_length(self.url, array_path)
+        if why is not None:
+            raise RecordError(f"{what} is too long for the store {self.url}: {why}")
+
+    def _check_spec_paths(self, specs: Sequence[TensorSpec]) -> None:
+        """:meth:`_check_path` for the snapshot arrays of tensors about to be declared
+        (the only arrays whose paths hold a tensor's name)."""
+        for s in specs:
+            if not self._tensors.declared(Kind(s.kind)) or s.name not in self._tensors.specs(
+                Kind(s.kind)
+            ):
+                self._check_path(
+                    L.snapshot_path(Kind(s.kind), s.name),
+                    f"tensor {s.name!r} ({Kind(s.kind).value})",
+                )
 
     # ------------------------------------------------------------------ recording
     def wants(self, step: int, kind: Kind | str) -> bool:
@@ -542,12 +563,12 @@ class Recorder:
             if not arrays:
                 return False
             if not self._tensors.declared(kind):
-                self._tensors.declare(
-                    [
-                        TensorSpec.build(n, kind, dtype=a.dtype.name, shape=a.shape)
-                        for n, a in arrays.items()
-                    ]
-                )
+                specs_ = [
+                    TensorSpec.build(n, kind, dtype=a.dtype.name, shape=a.shape)
+                    for n, a in arrays.items()
+                ]
+                self._check_spec_paths(specs_)
+                self._tensors.declare(specs_)
             else:
                 self._tensors.check_same_set(kind, arrays.keys())
             specs = self._tensors.specs(kind)
@@ -786,6 +807,8 @@ class Recorder:
         new = [n for n in values if n not in self._manifest.metrics]
         if new:
             check_no_prefix_clash([*self._manifest.metrics, *new])
+            for n in new:
+                self._check_path(L.metric_path(n), f"metric {n!r}")
             self._manifest.metrics = sorted([*self._manifest.metrics, *new])
         for name, fv in values.items():
             row.metrics[name] = fv

@@ -1040,8 +1040,10 @@ class StoreWriter(_QueueWorker):
         else:
             self._heartbeat()
         plan = self._plan(final)
-        self._write_and_wait(plan)
+        failed = self._write_and_wait(plan)
         self._write_commit_mark(plan)
+        if failed is not None:  # the rows are committed without the metric; now fail
+            raise failed
 
     def _plan(self, final: bool) -> _CommitPlan:
         """What this commit writes: the buffered rows as one block per row-axis array,
@@ -1081,15 +1083,32 @@ class StoreWriter(_QueueWorker):
             final=final,
         )
 
-    def _write_and_wait(self, plan: _CommitPlan) -> None:
+    def _write_and_wait(self, plan: _CommitPlan) -> BaseException | None:
         """Create or grow the row arrays, write the block of new rows, and wait until it
         and every snapshot write issued since the last commit is durable (the file
         kvstore fsyncs before a write completes), and until the other processes of a
         multi-process job have confirmed their snapshot blocks. Then the buffers are
-        dropped and the training thread's byte budget is freed."""
+        dropped and the training thread's byte budget is freed.
+
+        A new metric's array that cannot be created (a name too long for the storage,
+        say) does not cost the other arrays their rows: the metric is left out of this
+        commit (its values with it) and the error is returned, to be raised once the
+        commit mark is written."""
         self._row_capacity = plan.capacity
+        failed: BaseException | None = None
         for path, meta in plan.create.items():
-            self._create(path, meta)
+            try:
+                self._create(path, meta)
+            except Exception as e:
+                if not path.startswith(L.METRICS + "/") or self._claim_lost():
+                    raise
+                name = path[len(L.METRICS) + 1 :]
+                plan.manifest.metrics.remove(name)
+                plan.blocks.pop(path, None)
+                failed = failed or StoreError(
+                    f"cannot create the array of metric {name!r} ({type(e).__name__}: {e}); "
+                    f"the rows recorded so far are committed without it"
+                )
         for path in plan.grow:
             arr = self._open(path)
             self._arrays[path] = arr.resize(
@@ -1106,6 +1125,10 @@ class StoreWriter(_QueueWorker):
         self._finishing.clear()
         self._release_bytes()
         self._rows = []
+        return failed
+
+    def _claim_lost(self) -> bool:
+        return self._claim is not None and not self._claim.held
 
     def _write_commit_mark(self, plan: _CommitPlan) -> None:
         """Make the planned rows visible: (``final``: trim the arrays to what is
