@@ -43,6 +43,7 @@ from traintape.core.errors import (
 from traintape.core.group import ProcessGroup, check_group, detect
 from traintape.core.inputs import check_array, check_metric, check_step, check_user
 from traintape.core.kvstore import KvStore, Location, check_key_length, normalize_url
+from traintape.core.options import RecorderOptions
 from traintape.core.registry import TensorRegistry
 from traintape.core.rows import NonfiniteEvents, RowState
 from traintape.core.stats import backend as host_backend
@@ -171,20 +172,18 @@ class Recorder:
         samples_per_step: int | None = None,
         write_timeout: float = 120.0,
     ) -> None:
+        opts = RecorderOptions.check(  # every option range-checked before anything else
+            flush_every_steps=flush_every_steps, flush_every_seconds=flush_every_seconds,
+            max_pending=max_pending, max_pending_bytes=max_pending_bytes,
+            compression=compression, claim_stale_after=claim_stale_after,
+            write_timeout=write_timeout, system_metrics=system_metrics,
+            samples_per_step=samples_per_step,
+        )  # fmt: skip
+        flush_every_steps, flush_every_seconds = opts.flush_every_steps, opts.flush_every_seconds
+        max_pending, max_pending_bytes = opts.max_pending, opts.max_pending_bytes
+        claim_stale_after, write_timeout = opts.claim_stale_after, opts.write_timeout
+        system_metrics = opts.system_metrics
         interval = 1.0 if system_metrics is True else float(system_metrics)
-        if system_metrics is not False and not interval > 0:
-            raise ValueError(
-                f"system_metrics must be a bool or seconds > 0, got {system_metrics!r}"
-            )
-        if samples_per_step is not None and (
-            isinstance(samples_per_step, bool) or not isinstance(samples_per_step, int)
-            or samples_per_step <= 0
-        ):  # fmt: skip
-            raise ValueError(f"samples_per_step must be a positive int, got {samples_per_step!r}")
-        if flush_every_steps < 1:
-            raise ValueError(f"flush_every_steps must be >= 1, got {flush_every_steps}")
-        if flush_every_seconds <= 0:
-            raise ValueError(f"flush_every_seconds must be > 0, got {flush_every_seconds}")
         user = check_user(user)  # refused here, before anything is claimed or written
         self.url = normalize_url(url)
         self.strict = strict
