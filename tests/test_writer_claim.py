@@ -373,3 +373,38 @@ def test_rm_on_a_symlink_names_the_target(tmp_path: Path) -> None:
     r = CliRunner().invoke(app, ["rm", str(link), "--yes"])
     assert r.exit_code == 2 and "symbolic link" in r.output and run_dir in r.output
     assert tt.open_run(run_dir).rows == 1  # nothing deleted
+
+
+def test_rm_deletes_exactly_what_the_manifests_vouch_for(tmp_path: Path) -> None:
+    """Issue 25 item 8: user files inside the store's own directories stay (and are
+    listed), rewind copies go, and the path is one a new Recorder can use."""
+    from typer.testing import CliRunner
+
+    from traintape.cli import app
+
+    run_dir = str(tmp_path / "run")
+    with tt.Recorder(run_dir, tt.CapturePolicy(full_every=1)) as rec:
+        for t in range(6):
+            rec.record(t, "param", _w(t))
+            rec.log(t, loss=1.0)
+    with tt.Recorder(run_dir, resume_step=3) as rec:  # a rewind copy: abandoned/0
+        rec.record(3, "param", _w(3))
+    assert Path(run_dir, "abandoned", "0", "zarr.json").exists()
+    Path(run_dir, "stats", "MY_NOTES.txt").write_text("keep me")
+    Path(run_dir, ".traintape").mkdir(exist_ok=True)
+    Path(run_dir, ".traintape", "my.cfg").write_text("keep me too")
+    r = CliRunner().invoke(app, ["rm", run_dir, "--yes"])
+    assert r.exit_code == 0, r.output
+    assert "left 2 entries" in r.output and "MY_NOTES.txt" in r.output
+    left = sorted(str(p.relative_to(run_dir)) for p in Path(run_dir).rglob("*") if p.is_file())
+    assert left == [".traintape/my.cfg", "stats/MY_NOTES.txt"]
+    # without the user's files, the path is empty: a new Recorder starts a new run there
+    Path(run_dir, "stats", "MY_NOTES.txt").unlink()
+    Path(run_dir, ".traintape", "my.cfg").unlink()
+    for d in (Path(run_dir, "stats"), Path(run_dir, ".traintape")):
+        d.rmdir()
+    with tt.Recorder(run_dir) as rec:
+        rec.record(0, "param", _w(0))
+    assert tt.open_run(run_dir).rows == 1
+    out = CliRunner().invoke(app, ["ls", str(tmp_path)])
+    assert "abandoned" not in out.output

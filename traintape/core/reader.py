@@ -44,11 +44,12 @@ def open_run(url: Location) -> Run:
 class Run:
     """A committed view of one run store."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, check: bool = True) -> None:
         self.url = normalize_url(url)
         self.manifest: Manifest = read_manifest(self.url)
         self._arrays: dict[str, ts.TensorStore] = {}
-        self._check()
+        if check:
+            self._check()
 
     def _check(self) -> None:
         """Refuse implausible metadata before anything is read (:mod:`traintape.core.plausible`)."""
