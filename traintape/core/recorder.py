@@ -24,6 +24,8 @@ import platform
 import socket
 import threading
 import uuid
+import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -225,6 +227,8 @@ class Recorder:
                 interval, samples_per_step, bytes_written=self._writer.bytes_written
             )
             self._rows.on_open = self._system_row
+        # a Recorder never closed is closed at interpreter exit (bounded), with a warning
+        _track_open(self)
         if self._claim is not None and self._claim.took_over is not None:
             self.event(
                 self._rows.last_sealed or 0,
@@ -967,7 +971,11 @@ class Recorder:
         self._raise_if_strict()
 
     def close(self) -> None:
-        """Seal the open step, commit everything, trim arrays, mark the run closed."""
+        """Seal the open step, commit everything, trim arrays, mark the run closed.
+
+        A Recorder not closed by the time the interpreter exits is closed then (within
+        :data:`EXIT_TIMEOUT` seconds), with a ``ResourceWarning`` naming it."""
+        _OPEN.discard(self)
         if self._closed:
             return
         err = self._run_sync_hooks(True)
@@ -1005,6 +1013,72 @@ class Recorder:
 
     def __repr__(self) -> str:
         return f"Recorder({self.url!r}, rows={self._writer.rows_committed})"
+
+
+EXIT_TIMEOUT = 60.0
+"""Seconds a Recorder left open may take to close at interpreter exit."""
+
+
+_OPEN: weakref.WeakSet[Recorder] = weakref.WeakSet()
+"""Recorders of this process not closed yet."""
+_EXIT_HOOK: list[bool] = []
+
+
+def _track_open(rec: Recorder) -> None:
+    """Remember ``rec`` until it is closed; the first time, install the exit hook. It
+    runs at interpreter shutdown *before* ``concurrent.futures`` stops its pools (the
+    writer's fsync pool is one) — ``threading``'s exit hooks, run in reverse order of
+    registration — and falls back to :mod:`atexit` where that hook does not exist."""
+    _OPEN.add(rec)
+    if _EXIT_HOOK:
+        return
+    _EXIT_HOOK.append(True)
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        register(_close_all_forgotten)
+    else:  # pragma: no cover - CPython has had it since 3.9
+        import atexit
+
+        atexit.register(_close_all_forgotten)
+
+
+def _close_all_forgotten() -> None:
+    for rec in list(_OPEN):
+        _close_forgotten(rec)
+
+
+def _close_forgotten(rec: Recorder) -> None:
+    """At interpreter exit: close a Recorder its program never closed (warning that it
+    was forgotten), in a thread given :data:`EXIT_TIMEOUT` seconds, so the rows it
+    recorded are committed and the claim released — instead of the writer thread dying
+    with the interpreter (0 rows committed, status ``open``, the claim left in place)."""
+    if rec._closed:
+        return
+    url = rec.url
+    msg = (
+        f"traintape: Recorder({url!r}) was never closed; closing it at interpreter exit "
+        f"(call close() or use `with Recorder(...)`)"
+    )
+    warnings.warn(msg, ResourceWarning, stacklevel=1)
+    import sys
+
+    print(msg, file=sys.stderr)  # ResourceWarning is hidden by default: say it anyway
+    failure: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            rec.close()
+        except BaseException as e:
+            failure.append(e)
+
+    t = threading.Thread(target=close, name="traintape-exit-close", daemon=True)
+    t.start()
+    t.join(EXIT_TIMEOUT)
+    if t.is_alive():
+        print(f"traintape: closing {url} at exit took over {EXIT_TIMEOUT:.0f} s; gave up",
+              file=sys.stderr)  # fmt: skip
+    elif failure:
+        print(f"traintape: closing {url} at exit failed: {failure[0]}", file=sys.stderr)
 
 
 class SnapshotStream:
