@@ -213,6 +213,9 @@ def schema(
 def validate(
     run: str = typer.Argument(..., help="run directory or TensorStore kvstore URL"),
     as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+    repair: bool = typer.Option(
+        False, "--repair", help="remove temporary *.__lock files of interrupted writes"
+    ),
 ) -> None:
     """Check a store: manifest, arrays, steps, commit mark, every chunk's checksum.
 
@@ -228,6 +231,8 @@ def validate(
     else:
         with _progress("validating") as cb:
             report = run_validate(run, progress=lambda done, total: cb("chunks", done, total))
+        if repair and report.lock_files:
+            _repair_locks(report)
     if as_json:
         print(
             json.dumps(
@@ -256,6 +261,25 @@ def validate(
         for n in report.notes:
             err.print(f"[dim]note: {n}[/dim]")
     raise typer.Exit(0 if report.ok else 1)
+
+
+def _repair_locks(report: Any) -> None:
+    """``validate --repair``: remove the temporary lock files, unless a writer claims the
+    store (its in-flight writes are such files; the next writer removes them anyway)."""
+    from traintape.core.claim import CLAIM_KEY
+    from traintape.core.kvstore import KvStore
+    from traintape.core.store import remove_lock_files
+
+    if KvStore(report.url).read_bytes(CLAIM_KEY) is not None:
+        err.print(
+            f"not repaired: a writer claims {escape(report.url)} ({CLAIM_KEY}); close it "
+            f"first (the next writer removes the lock files itself)"
+        )
+        return
+    n = remove_lock_files(report.url, keep=(CLAIM_KEY + ".__lock",))
+    report.notes = [n_ for n_ in report.notes if "__lock" not in n_]
+    report.notes.append(f"repaired: removed {n} temporary *.__lock file(s)")
+    report.lock_files = []
 
 
 @app.command()

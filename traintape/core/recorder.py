@@ -55,6 +55,7 @@ from traintape.core.store import (
     inspect_location,
     read_manifest,
     remove_leftovers,
+    remove_lock_files,
     storage_dtype,
     write_manifest,
 )
@@ -244,6 +245,7 @@ class Recorder:
         self._claim.acquire()  # one writer per store: a live one makes this raise
         try:
             existing = _prepare_location(self.url, clean_leftovers=True)  # as it is now
+            remove_lock_files(self.url)  # temporaries of killed writers (we hold the claim)
             if self.group.count > 1:  # an earlier job's progress must not vouch for ours
                 clear_progress(KvStore(self.url))
             self._open(existing, *args)
@@ -815,14 +817,17 @@ class Recorder:
             self._manifest.metrics = sorted([*self._manifest.metrics, *new])
         for name, fv in values.items():
             row.metrics[name] = fv
+            if is_system(name):  # traintape's own measurements raise no NaN/Inf events
+                continue
             ev = self._nonfinite.of_metric(row.step, name, fv)
             if ev is not None:
                 self._manifest.events.append(ev)
 
     def _system_row(self, row: Row) -> None:
         """RowState hook: the system metrics of a newly opened row (under ``_lock``)."""
-        if self._system is not None:
-            self._put_metrics(row, self._system.row_metrics(row.step))
+        if self._system is not None:  # a value not measured (NaN) is missing, not NaN
+            values = self._system.row_metrics(row.step)
+            self._put_metrics(row, {k: v for k, v in values.items() if v == v})
 
     def event(
         self,

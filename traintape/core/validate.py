@@ -21,7 +21,13 @@ from traintape.core import layout as L
 from traintape.core.errors import NotAStoreError, StoreError
 from traintape.core.kvstore import KvStore, Location, local_path, normalize_url
 from traintape.core.plausible import check_rows, chunk_count, read, stored_chunks
-from traintape.core.store import inspect_location, open_array, read_manifest, storage_dtype
+from traintape.core.store import (
+    inspect_location,
+    open_array,
+    read_manifest,
+    stale_lock_files,
+    storage_dtype,
+)
 from traintape.schema import Kind, Manifest, SchemaVersionError
 
 
@@ -35,6 +41,8 @@ class ValidationReport:
     manifest: Manifest | None = None
     arrays_checked: int = 0
     chunks_checked: int = 0
+    lock_files: list[str] = field(default_factory=list)
+    """Temporary ``*.__lock`` files left by interrupted writes (local stores)."""
 
     @property
     def ok(self) -> bool:
@@ -67,6 +75,14 @@ def validate(url: Location, progress: Callable[[int, int], None] | None = None) 
         return report
     report.manifest = m
     _Checker(u, m, report, progress).run()
+    locks = stale_lock_files(u)
+    if locks:
+        report.notes.append(
+            f"{len(locks)} temporary *.__lock file(s) of interrupted writes (e.g. "
+            f"{locks[0]}): not data; `traintape validate --repair` or the next writer "
+            f"removes them"
+        )
+    report.lock_files = locks
     return report
 
 
