@@ -65,3 +65,20 @@ def test_complex_and_overflowing_metrics_are_record_errors(tmp_path: Path, value
             rec.log(0, m=value)
         rec.log(0, m=1.0)  # capture goes on
     assert tt.open_run(tmp_path / "run").metrics()["m"].tolist() == [1.0]
+
+
+def test_a_metric_first_logged_after_committed_chunks_validates(tmp_path: Path) -> None:
+    """A metric (or a system metric first measured later) whose array is created after
+    whole row chunks were committed: its earlier rows are stored as missing (NaN), so
+    every chunk exists (``all_chunks_stored``) — before, validate reported them missing."""
+    url = tmp_path / "run"
+    with tt.Recorder(url, flush_every_steps=1, system_metrics=False) as rec:
+        for t in range(10):
+            rec.record(t, "param", _w(t))
+            rec.flush()
+            if t >= 5:
+                rec.log(t, late=float(t))
+    rep = tt.validate(url)
+    assert rep.ok, rep.problems
+    late = tt.open_run(url).array("metrics/late")[:10].read().result()
+    assert np.isnan(late[:5]).all() and late[5:].tolist() == [5.0, 6.0, 7.0, 8.0, 9.0]

@@ -662,6 +662,7 @@ class StoreWriter(_QueueWorker):
                 ):
                     self._guarded(self._commit)  # make them durable: frees the byte budget
             if self._commit_due():  # whatever the queue holds: never starved by a busy queue
+                self._take_backlog()
                 self._guarded(self._commit)
 
     def _commit_due(self) -> bool:
@@ -676,12 +677,14 @@ class StoreWriter(_QueueWorker):
         """Before a commit, take rows already waiting so one commit (one fsync round)
         covers a backlog instead of the training thread stalling behind many commits.
 
-        Bounded: at most the items waiting when it starts (``max_pending``), and it stops
-        early once a commit is due (:meth:`_commit_due`) — a producer that refills the
-        queue as fast as it is taken never postpones the commit (issue 25: with an
-        unbounded loop a busy queue meant no commit at all)."""
+        Bounded: at most the items waiting when it starts (``max_pending``), taken within
+        ``flush_every_seconds`` — a producer that refills the queue as fast as it is
+        taken never postpones the commit (issue 25: with an unbounded loop a busy queue
+        meant no commit at all), and slow commits cover a backlog each instead of a row
+        or two (storage slower than capture then costs throughput, never commits)."""
+        deadline = time.monotonic() + self.flush_every_seconds
         for _ in range(self._queue.qsize()):
-            if self._commit_due() and self._rows:
+            if time.monotonic() >= deadline:
                 return
             try:
                 item = self._queue.get_nowait()
@@ -1115,6 +1118,13 @@ class StoreWriter(_QueueWorker):
                 exclusive_max=[plan.capacity, *arr.shape[1:]], expand_only=True
             ).result()
         futures = list(self._pending)
+        r0 = plan.rows.start
+        for path in plan.create:  # a metric or kind first seen after committed rows:
+            if r0 > 0 and path in self._arrays:  # its earlier rows are stored as missing
+                arr = self._arrays[path]  # (every chunk exists: all_chunks_stored)
+                dt = arr.dtype.numpy_dtype
+                fill = np.broadcast_to(np.array(_FILL[dt.kind], dtype=dt), (r0, *arr.shape[1:]))
+                futures.append(arr[0:r0].write(fill))
         for path, values in plan.blocks.items():
             futures.append(self._open(path)[plan.rows].write(values))
         for f in futures:
