@@ -88,7 +88,7 @@ def check_rows(url: str, m: Manifest, steps: ts.TensorStore, kv: KvStore | None 
             f"(crafted or damaged manifest)"
         )
     if m.layout.all_chunks_stored:
-        chunk = int(steps.chunk_layout.write_chunk.shape[0] or 1)
+        chunk = int((steps.chunk_layout.write_chunk.shape or (1,))[0] or 1)
         need = chunk_count([rows], [chunk])
         have = stored_chunks(kv or KvStore(url), L.STEPS)
         if have < need:
