@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import socket
 import time
@@ -250,6 +251,11 @@ class WriterClaim:
         ``(None, generation)`` if it was removed; refuse if it changed (a live writer,
         whatever its clock says)."""
         wait = max(self.stale_after, other.stale_after)
+        logging.getLogger("traintape").warning(
+            "traintape: %s is claimed by a writer that cannot be checked from here (%s); "
+            "watching its heartbeat for %.0f s before taking it over",
+            self.url, other.describe(), wait,
+        )  # fmt: skip
         deadline = time.monotonic() + wait
         pause = min(OBSERVE_PAUSE, wait / 20)
         while True:
