@@ -4,7 +4,11 @@ Usage: python _crash_child.py RUN_DIR FLUSH_EVERY [MODE]
 Prints "ready <first step>" once the recorder is open, then records until killed
 (MODE ``train``, the default), or records a few steps, prints "closing" and closes
 (MODE ``close``: the parent kills it during ``close()``). A second writer on a live store
-prints "refused <message>" and exits 3.
+prints "refused <message>" and exits 3. Modes ``sustained`` (a full capture every step,
+``max_pending`` 8) and ``slow`` (the same with every snapshot write delayed 20 ms:
+storage slower than capture) record until killed; ``pidns`` is ``train`` with a claim
+stale after 1 s (run as PID 1 of a new PID namespace by the parent). Every record prints
+"step <n>" once the call returned, so the parent knows what was recorded at the kill.
 Tensor values are a pure function of the step (see ``tensors``), so a parent can check
 every committed value bit-exactly.
 """
@@ -18,6 +22,9 @@ import numpy as np
 import traintape as tt
 
 POLICY = tt.CapturePolicy(full_every=5, kinds=("param", "grad"), snapshot_kinds=("param",))
+FULL = tt.CapturePolicy(full_every=1, kinds=("param", "grad"), snapshot_kinds=("param",))
+SUSTAINED_PENDING = 8
+"""``max_pending`` of the sustained and slow modes (the loss bound is computed from it)."""
 
 
 def tensors(step: int) -> dict[str, np.ndarray]:
@@ -40,8 +47,26 @@ def record(rec: tt.Recorder, step: int) -> None:
 def main() -> None:
     url, flush = sys.argv[1], int(sys.argv[2])
     mode = sys.argv[3] if len(sys.argv) > 3 else "train"
+    kw: dict = {}
+    policy = POLICY
+    if mode in ("sustained", "slow"):
+        policy, kw = FULL, {"max_pending": SUSTAINED_PENDING}
+    if mode == "slow":
+        import time
+
+        from traintape.core.writer import StoreWriter
+
+        original = StoreWriter._write_snapshot
+
+        def slow(self, snap):  # storage slower than capture
+            time.sleep(0.02)
+            original(self, snap)
+
+        StoreWriter._write_snapshot = slow
+    if mode == "pidns":
+        kw["claim_stale_after"] = 1.0
     try:
-        rec = tt.Recorder(url, POLICY, flush_every_steps=flush, flush_every_seconds=0.05)
+        rec = tt.Recorder(url, policy, flush_every_steps=flush, flush_every_seconds=0.05, **kw)
     except tt.StoreError as e:
         print(f"refused {e}", flush=True)
         sys.exit(3)
@@ -57,6 +82,7 @@ def main() -> None:
         return
     while True:
         record(rec, step)
+        print(f"step {step}", flush=True)
         step += 1
 
 

@@ -46,6 +46,14 @@ def run_all(
 def moto_server(bucket: str) -> Iterator[str]:
     """A local ``moto_server`` on a free 127.0.0.1 port with ``bucket`` created; yields its
     endpoint URL and stops the server by PID on exit."""
+    with moto_process(bucket) as (url, _proc):
+        yield url
+
+
+@contextlib.contextmanager
+def moto_process(bucket: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """:func:`moto_server`, yielding the endpoint URL and the server's process (to
+    signal it by PID: SIGSTOP freezes the endpoint)."""
     port = free_port()
     proc = subprocess.Popen(
         [str(MOTO), "-H", "127.0.0.1", "-p", str(port)],
@@ -60,7 +68,7 @@ def moto_server(bucket: str) -> Iterator[str]:
             except OSError:
                 time.sleep(0.1)
         urllib.request.urlopen(urllib.request.Request(f"{url}/{bucket}", method="PUT"))
-        yield url
+        yield url, proc
     finally:
         proc.kill()
         proc.wait()

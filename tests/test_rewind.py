@@ -110,3 +110,26 @@ def test_every_abandoned_history_survives_later_rewinds(tmp_path):
     rep = traintape.validate(url)
     assert rep.ok, rep.problems
     assert not [n for n in rep.notes if "abandoned" in n]  # every copy is a finished one
+
+
+def test_a_refused_resume_has_not_rewound_the_store(tmp_path) -> None:
+    """Issue 25 item 5: a resume refused for its policy changes nothing — no copy under
+    abandoned/, no rewind event, every committed row still there."""
+    import os
+
+    import numpy as np
+
+    import traintape as tt
+
+    url = str(tmp_path / "run")
+    with tt.Recorder(url, tt.CapturePolicy(every=1), system_metrics=False) as rec:
+        for t in range(100):
+            rec.record(t, "param", {"w": np.full(3, float(t), np.float32)})
+    before = (tmp_path / "run" / "zarr.json").read_bytes()
+    with pytest.raises(tt.RecordError, match="different policy"):
+        tt.Recorder(url, tt.CapturePolicy(every=2), resume_step=50)
+    assert (tmp_path / "run" / "zarr.json").read_bytes() == before
+    assert not os.path.exists(os.path.join(url, "abandoned"))
+    run = tt.open_run(url)
+    assert run.steps.tolist() == list(range(100))
+    assert not [e for e in run.events() if e.type == "rewind"]

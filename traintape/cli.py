@@ -99,16 +99,18 @@ def _store_problem(run: str) -> tuple[str, str | None] | None:
     return None
 
 
-def _open(run: str):
-    """Open ``run`` or exit 2 with a message that names the path and what is wrong."""
+def _open(run: str, check: bool = True):
+    """Open ``run`` or exit 2 with a message that names the path and what is wrong
+    (``check=False``: its manifest alone, without the plausibility checks of a reader)."""
     from traintape.core import NotAStoreError, open_run
+    from traintape.core.reader import Run
     from traintape.schema import SchemaVersionError
 
     problem = _store_problem(run)
     if problem is not None:
         _fail(*problem)
     try:
-        return open_run(run)
+        return open_run(run) if check else Run(run, check=False)
     except SchemaVersionError as e:
         _fail(f"{run}: {e}", "upgrade traintape to read this store")
     except NotAStoreError as e:
@@ -231,6 +233,9 @@ def schema(
 def validate(
     run: str = typer.Argument(..., help="run directory or TensorStore kvstore URL"),
     as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+    repair: bool = typer.Option(
+        False, "--repair", help="remove temporary *.__lock files of interrupted writes"
+    ),
 ) -> None:
     """Check a store: manifest, arrays, steps, commit mark, every chunk's checksum.
 
@@ -246,6 +251,8 @@ def validate(
     else:
         with _progress("validating") as cb:
             report = run_validate(run, progress=lambda done, total: cb("chunks", done, total))
+        if repair and report.lock_files:
+            _repair_locks(report)
     if as_json:
         print(
             json.dumps(
@@ -274,6 +281,25 @@ def validate(
         for n in report.notes:
             err.print(f"[dim]note: {n}[/dim]")
     raise typer.Exit(0 if report.ok else 1)
+
+
+def _repair_locks(report: Any) -> None:
+    """``validate --repair``: remove the temporary lock files, unless a writer claims the
+    store (its in-flight writes are such files; the next writer removes them anyway)."""
+    from traintape.core.claim import CLAIM_KEY
+    from traintape.core.kvstore import KvStore
+    from traintape.core.store import remove_lock_files
+
+    if KvStore(report.url).read_bytes(CLAIM_KEY) is not None:
+        err.print(
+            f"not repaired: a writer claims {escape(report.url)} ({CLAIM_KEY}); close it "
+            f"first (the next writer removes the lock files itself)"
+        )
+        return
+    n = remove_lock_files(report.url, keep=(CLAIM_KEY + ".__lock",))
+    report.notes = [n_ for n_ in report.notes if "__lock" not in n_]
+    report.notes.append(f"repaired: removed {n} temporary *.__lock file(s)")
+    report.lock_files = []
 
 
 @app.command()
@@ -1323,10 +1349,11 @@ def rm(
     run: str = typer.Argument(..., help="run directory or URL"),
     yes: bool = typer.Option(False, "--yes", "-y", help="do not ask"),
 ) -> None:
-    """Delete a run store: only what belongs to it (its arrays, manifest and writer claim);
-    anything else in the directory is left where it is, and listed."""
+    """Delete a run store: exactly what its manifest (and its rewind copies') vouches for
+    — arrays, groups, manifest, writer claim; anything else, even inside the store's
+    directories, is left where it is, and listed."""
     from traintape.core.kvstore import KvStore, local_path, normalize_url
-    from traintape.core.layout import store_keys
+    from traintape.core.remove import store_keys_to_delete
 
     path = local_path(normalize_url(run))
     if path is not None and os.path.islink(path.rstrip("/")):
@@ -1335,14 +1362,14 @@ def rm(
             f"{run} is a symbolic link to {target}",
             f"run `traintape rm {target}` to delete the store",
         )
-    r = _open(run)
+    r = _open(run, check=False)  # a damaged store can be removed too
     desc = f"{escape(r.url)} ({r.rows} rows, {r.manifest.status})"
     if not yes and not typer.confirm(f"delete run {r.url} ({r.rows} rows, {r.manifest.status})?"):
         console.print("not deleted")
         raise typer.Exit(1)
     kv = KvStore(r.url)
-    ours, foreign = store_keys(kv.list())
-    for key in ours:
+    ours, foreign = store_keys_to_delete(kv, r.manifest, r.url)  # what the manifests vouch for
+    for key in sorted(ours, key=lambda k: k.endswith("zarr.json")):  # manifests last
         kv.delete(key)
     if path is not None:  # the file driver leaves directories: remove the empty ones
         for root, dirs, _files in os.walk(path, topdown=False):

@@ -10,26 +10,40 @@ thread refreshes the heartbeat with another conditional write ("only if it is st
 generation") and removes the claim when the Recorder closes.
 
 A second Recorder on a live store is refused with a :class:`StoreError` naming the live
-writer. A writer that died (SIGKILL, machine lost) does not lock the store forever: its
-claim is **stale** when its heartbeat is older than ``stale_after`` seconds, or at once
-when it was made on this host by a process that no longer runs; the next Recorder takes
-it over (a conditional write on the generation it read, so of two racing take-overs one
-wins) and resumes the store.
+writer. A writer that died (SIGKILL, machine lost, container restarted) does not lock the
+store forever. Staleness is judged by **heartbeats observed to stop**, never by comparing
+clocks across hosts: a claim is taken over when the next Recorder has watched it stay
+unchanged (same kvstore generation) for a full stale interval — ``max`` of its own
+``stale_after`` and the holder's — measured on its own monotonic clock; a claim that
+changes while it watches is a live writer (refused). Only a holder that is *provably*
+gone is taken over at once: one on this machine (same kernel boot id and PID namespace)
+whose PID no longer runs or now belongs to a process started at another time (the
+holder's identity is boot id + PID namespace + PID + process start time, which a
+restart always changes — a restarted container has a new PID namespace, a reused PID a
+new start time). A holder that is *provably* alive — a process of this machine and PID
+namespace running with the claimed start time, or a Recorder of this very process that
+still holds the claim — is refused at once; any other holder (another host, another
+container) is refused as soon as its heartbeat is seen to change, at most a third of
+its stale interval later. The take-over is a conditional write on the generation
+read, so of two racing take-overs one wins.
 
-What this guarantees: while a writer's heartbeat is fresh, no other Recorder writes the
-store; a writer that loses its claim (the store was removed or renamed, or another writer
-took it over after it stopped heartbeating) notices at its next heartbeat or commit and
-stops capture with a loud error instead of writing into a store it no longer owns.
+What this guarantees: while a writer heartbeats, no other Recorder writes the store,
+whatever the hosts' clocks say; a writer that loses its claim (the store was removed or
+renamed, or another writer took it over after it stopped heartbeating) notices at its
+next heartbeat or commit and stops capture with a loud error instead of writing into a
+store it no longer owns.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import socket
 import time
 import uuid
+import weakref
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any, NoReturn
@@ -52,7 +66,15 @@ class ClaimInfo:
     pid: int
     started_at: str
     heartbeat: float
-    """Unix time of the last refresh."""
+    """Unix time of the last refresh (informative: staleness is observed, not computed)."""
+    boot_id: str = ""
+    """The kernel boot id of the holder's machine ('' where unknown)."""
+    pid_ns: str = ""
+    """The holder's PID namespace (``/proc/self/ns/pid``; '' where unknown)."""
+    start_ticks: int = -1
+    """The holder process's start time (clock ticks since boot; -1 where unknown)."""
+    stale_after: float = 0.0
+    """The holder's stale interval (it heartbeats every third of it)."""
 
     def describe(self, now: float | None = None) -> str:
         age = (now if now is not None else time.time()) - self.heartbeat
@@ -80,6 +102,56 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def _read_text(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def boot_id() -> str:
+    """This machine's kernel boot id ('' where unknown: not Linux)."""
+    return _read_text("/proc/sys/kernel/random/boot_id")
+
+
+def pid_namespace() -> str:
+    """This process's PID namespace ('' where unknown)."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def start_ticks(pid: int) -> int:
+    """When process ``pid`` started (clock ticks since boot, ``/proc/<pid>/stat`` field
+    22), or -1 when it does not run or it cannot be told."""
+    text = _read_text(f"/proc/{pid}/stat")
+    try:
+        return int(text.rsplit(")", 1)[1].split()[19])
+    except (IndexError, ValueError):
+        return -1
+
+
+def _identity() -> dict[str, Any]:
+    return {
+        "boot_id": boot_id(),
+        "pid_ns": pid_namespace(),
+        "start_ticks": start_ticks(os.getpid()),
+    }
+
+
+_HELD: weakref.WeakValueDictionary[str, WriterClaim] = weakref.WeakValueDictionary()
+"""Claims this process holds now, by session."""
+
+_REQUIRED = ("session", "host", "pid", "started_at", "heartbeat")
+"""Fields every claim has (the others came later: a claim of an older build lacks them)."""
+
+OBSERVE_PAUSE = 0.25
+"""Seconds between reads of a claim being watched (at most; a shorter stale interval
+reads it 20 times)."""
+
+
 class WriterClaim:
     """The claim of one Recorder on one store (see the module docstring)."""
 
@@ -95,6 +167,8 @@ class WriterClaim:
             pid=os.getpid(),
             started_at=datetime.now(UTC).isoformat(timespec="seconds"),
             heartbeat=time.time(),
+            stale_after=stale_after,
+            **_identity(),
         )
         self._generation: bytes | None = None
         self.took_over: ClaimInfo | None = None
@@ -110,38 +184,100 @@ class WriterClaim:
             return None, r.stamp.generation
         try:
             doc: Any = json.loads(bytes(r.value))
-            info = ClaimInfo(**{k: doc[k] for k in ClaimInfo.__dataclass_fields__})
-        except Exception:  # unreadable claim (torn by a crash): treat as stale
+            info = ClaimInfo(
+                **{k: doc[k] for k in ClaimInfo.__dataclass_fields__ if k in doc or k in _REQUIRED}
+            )
+        except Exception:  # unreadable claim: no holder is named (watched like any other)
             info = ClaimInfo("?", "?", -1, "?", 0.0)
         return info, r.stamp.generation
 
     def _write(self, if_equal: bytes) -> bool:
         info = self.info
         data = json.dumps(asdict(info), sort_keys=True).encode()
-        gen = self.kv.write(CLAIM_KEY, data, if_equal=if_equal).result().generation
+        _HELD[info.session] = self  # first: a reader of the claim must find it held
+        try:
+            gen = self.kv.write(CLAIM_KEY, data, if_equal=if_equal).result().generation
+        except BaseException:
+            if self._generation is None:
+                _HELD.pop(info.session, None)
+            raise
         if gen == b"":
+            if self._generation is None:
+                _HELD.pop(info.session, None)
             return False
         self._generation = gen
         return True
 
-    def is_stale(self, other: ClaimInfo, now: float | None = None) -> bool:
-        now = now if now is not None else time.time()
-        if other.host == self.info.host and other.pid == self.info.pid:
-            return False  # this process holds it (another Recorder in it)
-        if other.host == self.info.host and other.pid > 0 and not pid_alive(other.pid):
+    def provably_gone(self, other: ClaimInfo) -> bool:
+        """Whether the holder of ``other`` certainly no longer runs: it ran on this
+        machine since its last boot, in this PID namespace (so its PID means the same
+        here), and that PID is free or now names a process started at another time."""
+        me = self.info
+        if not (me.boot_id and me.pid_ns and other.boot_id == me.boot_id):
+            return False
+        if other.pid_ns != me.pid_ns or other.pid <= 0 or other.start_ticks < 0:
+            return False
+        if other.session == me.session:
+            return False
+        if not pid_alive(other.pid):
             return True
-        return now - other.heartbeat > self.stale_after
+        return start_ticks(other.pid) != other.start_ticks
+
+    def provably_alive(self, other: ClaimInfo) -> bool:
+        """Whether the holder of ``other`` certainly still holds it: a process of this
+        machine and PID namespace that runs with the same start time — another process,
+        or this one while a Recorder in it holds that claim (a claim of this process that
+        no live Recorder holds, e.g. one whose release failed, is watched like any)."""
+        me = self.info
+        if not (me.boot_id and me.pid_ns and other.boot_id == me.boot_id):
+            return False
+        if other.pid_ns != me.pid_ns or other.pid <= 0 or other.start_ticks < 0:
+            return False
+        if other.pid == me.pid and other.start_ticks == me.start_ticks:
+            return other.session in _HELD
+        return pid_alive(other.pid) and start_ticks(other.pid) == other.start_ticks
+
+    def _refuse(self, other: ClaimInfo, why: str = "") -> NoReturn:
+        raise StoreError(
+            f"{self.url} is being written by another Recorder ({other.describe()}){why}; "
+            f"one writer per store: close it first, or record to another path (a claim "
+            f"is taken over once its heartbeat has stopped for "
+            f"{max(self.stale_after, other.stale_after):.0f} s)"
+        )
+
+    def _watch(self, other: ClaimInfo, gen: bytes) -> tuple[ClaimInfo | None, bytes]:
+        """Watch the claim for a full stale interval (this host's monotonic clock):
+        return it (and its generation) if it never changed — its writer stopped — or
+        ``(None, generation)`` if it was removed; refuse if it changed (a live writer,
+        whatever its clock says)."""
+        wait = max(self.stale_after, other.stale_after)
+        logging.getLogger("traintape").warning(
+            "traintape: %s is claimed by a writer that cannot be checked from here (%s); "
+            "watching its heartbeat for %.0f s before taking it over",
+            self.url, other.describe(), wait,
+        )  # fmt: skip
+        deadline = time.monotonic() + wait
+        pause = min(OBSERVE_PAUSE, wait / 20)
+        while True:
+            now_other, now_gen = self._read()
+            if now_other is None:
+                return None, now_gen
+            if now_gen != gen:
+                self._refuse(now_other, ": its heartbeat was renewed while this one waited")
+            if time.monotonic() >= deadline:
+                return other, gen
+            time.sleep(pause)
 
     def acquire(self) -> None:
-        """Claim the store, or raise :class:`StoreError` naming the live writer."""
+        """Claim the store, or raise :class:`StoreError` naming the live writer. A claim
+        that is neither provably alive nor provably gone is watched for a full stale
+        interval first (see the module docstring)."""
         other, gen = self._read()
+        if other is not None and not self.provably_gone(other):
+            if self.provably_alive(other):
+                self._refuse(other)
+            other, gen = self._watch(other, gen)
         if other is not None:
-            if not self.is_stale(other):
-                raise StoreError(
-                    f"{self.url} is being written by another Recorder ({other.describe()}); "
-                    f"one writer per store: close it first, or record to another path "
-                    f"(a claim is stale after {self.stale_after:.0f} s without a heartbeat)"
-                )
             self.took_over = other
         self.info = ClaimInfo(**{**asdict(self.info), "heartbeat": time.time()})
         if not self._write(gen):
@@ -161,6 +297,7 @@ class WriterClaim:
     def _lost(self, other: ClaimInfo | None) -> NoReturn:
         """Raise that the claim is gone (``other``: who holds it now, if anyone)."""
         self._generation = None
+        _HELD.pop(self.info.session, None)
         if other is None:
             raise StoreError(
                 f"{self.url}: the store was removed or moved while this Recorder wrote "
@@ -185,6 +322,7 @@ class WriterClaim:
         with contextlib.suppress(Exception):  # best effort: a stale claim expires anyway
             self.kv.write(CLAIM_KEY, None, if_equal=self._generation).result()
         self._generation = None
+        _HELD.pop(self.info.session, None)
         if self.url.startswith("file://"):  # the file driver leaves the empty directory,
             with contextlib.suppress(OSError):  # which zarr-python would warn about
                 os.rmdir(os.path.join(self.url[len("file://") :], CLAIM_KEY.split("/")[0]))

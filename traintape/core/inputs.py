@@ -65,8 +65,19 @@ def check_metric(name: str, value: Any, step: int) -> float:
             f"metric {name!r} at step {step}: value {value!r} ({type(value).__name__}) is "
             f"not a real number"
         )
+    if isinstance(value, complex | np.complexfloating) or (
+        isinstance(value, np.ndarray) and np.iscomplexobj(value)
+    ):
+        raise RecordError(
+            f"metric {name!r} at step {step}: value {value!r} is complex; a metric is a "
+            f"real number (log the real and imaginary parts, or the magnitude, as two metrics)"
+        )
     try:
         return float(value)
+    except OverflowError:
+        raise RecordError(
+            f"metric {name!r} at step {step}: value {value!r} does not fit a float64"
+        ) from None
     except (TypeError, ValueError) as e:
         raise RecordError(
             f"metric {name!r} at step {step}: value {value!r} ({type(value).__name__}) is "

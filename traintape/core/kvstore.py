@@ -21,6 +21,28 @@ def _retries() -> dict[str, Any]:
     return {"gcs_request_retries": policy, "s3_request_retries": policy}
 
 
+def _request_timeouts() -> None:
+    """Request timeouts for remote (HTTP) kvstores: TensorStore's curl transport sets no
+    deadline on a transfer by default, so an endpoint that accepts a connection and stops
+    answering (a frozen server, a network partition) would hold a request for as long as
+    TCP keeps the socket (tens of minutes). A transfer slower than 1 byte/s for
+    ``$TRAINTAPE_REMOTE_TIMEOUT`` seconds (default 30) fails and is retried
+    (:func:`_retries`), and a connection not established in that time fails too. Set in
+    the environment before TensorStore's transport starts; explicit ``TENSORSTORE_CURL_*``
+    settings win. The writer's own deadline (``Recorder(write_timeout=...)``) bounds
+    what training waits for, whatever the kvstore."""
+    try:
+        t = float(os.environ.get("TRAINTAPE_REMOTE_TIMEOUT", "30"))
+    except ValueError:
+        t = 30.0
+    seconds = str(max(1, round(t)))
+    os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", seconds)
+    os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")
+    os.environ.setdefault("TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS", seconds)
+
+
+_request_timeouts()
+
 CONTEXT = ts.Context(_retries())
 """One TensorStore context for the process, so ``memory://`` stores are shared between a
 Recorder and a reader opened in the same process, caches/thread pools are reused, and
@@ -137,6 +159,54 @@ def _s3_defaults(spec: dict[str, Any]) -> dict[str, Any]:
         # the normal case here — as an error line on stderr.
         spec["aws_credentials"] = {"type": "environment"}
     return spec
+
+
+KEY_SUFFIX = 64
+"""Characters kept free after an array's path for its longest key: ``/c/<index>/0/...``
+chunk keys of up to 16 dimensions and temporary files (``<key>.<n>.__lock``)."""
+
+REMOTE_KEY_BYTES = 1024
+"""The object-key limit of S3 and GCS (UTF-8 bytes)."""
+
+
+def check_key_length(url: str, array_path: str, ndim: int = 1) -> str | None:
+    """Why the keys of the array at ``array_path`` of the store at ``url`` would exceed
+    the storage's limits (a local file system's component and path lengths, an object
+    store's key length), or None when they fit."""
+    path = local_path(url)
+    extra = KEY_SUFFIX + 2 * ndim
+    if path is not None:
+        probe = path
+        while probe and not os.path.isdir(probe):
+            probe = os.path.dirname(probe) or "/"
+        try:
+            name_max = os.pathconf(probe or "/", "PC_NAME_MAX")
+            path_max = os.pathconf(probe or "/", "PC_PATH_MAX")
+        except (OSError, ValueError):
+            name_max, path_max = 255, 4096
+        for seg in array_path.split("/"):
+            if len(os.fsencode(seg)) > name_max:
+                return (
+                    f"its path segment {seg[:40]!r}... has {len(os.fsencode(seg))} bytes, "
+                    f"more than the file system's {name_max}"
+                )
+        full = len(os.fsencode(os.path.join(path, array_path))) + extra
+        if full > path_max:
+            return (
+                f"its files' paths would have about {full} bytes, more than the file "
+                f"system's {path_max}"
+            )
+        return None
+    spec = kvstore_spec(url, array_path)
+    if isinstance(spec, dict) and spec.get("driver") in ("s3", "gcs"):
+        key = len(str(spec.get("path", "")).encode()) + extra
+    elif url.startswith(("s3://", "gs://")):
+        key = len(url.split("://", 1)[1].partition("/")[2].encode()) + len(array_path) + extra
+    else:
+        return None
+    if key > REMOTE_KEY_BYTES:
+        return f"its object keys would have about {key} bytes, more than the {REMOTE_KEY_BYTES} allowed"
+    return None
 
 
 class KvStore:

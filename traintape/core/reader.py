@@ -17,6 +17,7 @@ import tensorstore as ts
 from traintape.core import layout as L
 from traintape.core.errors import NotAStoreError
 from traintape.core.kvstore import Location, local_path, normalize_url
+from traintape.core.plausible import check_rows, read
 from traintape.core.store import inspect_location, open_array, read_manifest
 from traintape.core.system import is_system
 from traintape.schema import Event, Kind, Manifest, TensorSpec
@@ -43,10 +44,17 @@ def open_run(url: Location) -> Run:
 class Run:
     """A committed view of one run store."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, check: bool = True) -> None:
         self.url = normalize_url(url)
         self.manifest: Manifest = read_manifest(self.url)
         self._arrays: dict[str, ts.TensorStore] = {}
+        if check:
+            self._check()
+
+    def _check(self) -> None:
+        """Refuse implausible metadata before anything is read (:mod:`traintape.core.plausible`)."""
+        if self.manifest.commit.rows:
+            check_rows(self.url, self.manifest, self.array(L.STEPS))
 
     def refresh(self) -> Run:
         """Re-read the manifest: pick up rows another process committed since."""
@@ -54,6 +62,7 @@ class Run:
         self._arrays.clear()
         for attr in ("steps",):
             self.__dict__.pop(attr, None)
+        self._check()
         return self
 
     # ------------------------------------------------------------------ arrays
@@ -74,7 +83,7 @@ class Run:
         """Optimizer step of every committed row, int64 ``[rows]`` (strictly increasing)."""
         if self.rows == 0:
             return np.zeros(0, dtype=np.int64)
-        return np.asarray(self.array(L.STEPS)[: self.rows].read().result())
+        return read(L.STEPS, self.array(L.STEPS)[: self.rows])
 
     def tensor_names(self, kind: Kind | str | None = None) -> list[str]:
         """Canonical names (of one kind, in stats-axis order; or all, sorted)."""
@@ -105,8 +114,7 @@ class Run:
         if tensors is not None:
             idx = [names.index(t) for t in tensors]
             arr = arr[:, idx] if len(idx) != len(names) else arr
-            return np.asarray(arr.read().result())
-        return np.asarray(arr.read().result())
+        return read(L.stats_path(kind), arr)
 
     def stats(
         self,
@@ -184,7 +192,8 @@ class Run:
     def _metric_frame(self, names: list[str]) -> pd.DataFrame:
         cols = {}
         for name in names:
-            cols[name] = np.asarray(self.array(L.metric_path(name))[: self.rows].read().result())
+            path = L.metric_path(name)
+            cols[name] = read(path, self.array(path)[: self.rows])
         df = pd.DataFrame(cols, index=pd.Index(self.steps, name="step"))
         return df.dropna(how="all") if len(df.columns) else df
 
@@ -199,7 +208,7 @@ class Run:
         n = self.manifest.commit.snapshots.get(kind, 0)
         if n == 0:
             return np.zeros(0, dtype=np.int64)
-        return np.asarray(self.array(L.snapshot_steps_path(kind))[:n].read().result())
+        return read(L.snapshot_steps_path(kind), self.array(L.snapshot_steps_path(kind))[:n])
 
     def _snapshot_index(self, name: str, kind: Kind | str, step: int) -> int:
         steps = self.snapshot_steps(name, kind)
@@ -214,7 +223,7 @@ class Run:
     def snapshot(self, name: str, kind: Kind | str, step: int) -> np.ndarray:
         """The full tensor ``name`` of ``kind`` at ``step``, canonical layout (numpy)."""
         i = self._snapshot_index(name, kind, step)
-        return np.asarray(self.array(L.snapshot_path(kind, name))[i].read().result())
+        return read(L.snapshot_path(kind, name), self.array(L.snapshot_path(kind, name))[i])
 
     def snapshots(self, name: str, kind: Kind | str) -> ts.TensorStore:
         """Lazy handle ``[snapshot, *shape]`` over the committed snapshots of one tensor."""
@@ -233,7 +242,7 @@ class Run:
             return steps, np.zeros(0)
         arr = self.array(L.snapshot_path(kind, name))
         sel: Any = (slice(0, len(steps)), *index)
-        values = np.asarray(arr[sel].read().result())
+        values = read(L.snapshot_path(kind, name), arr[sel])
         return steps, values
 
     def __repr__(self) -> str:

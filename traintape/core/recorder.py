@@ -7,12 +7,13 @@ it to the background writer. Calling with a step before the open one, or not aft
 last committed one when resuming, is an error.
 
 Durability: rows are committed (made visible and durable) every ``flush_every_steps``
-rows, every ``flush_every_seconds`` seconds, on :meth:`Recorder.flush` and on
-:meth:`Recorder.close`. A process that dies loses what was not committed: the training
-thread runs at most ``flush_every_steps + 2 * max_pending`` sealed rows ahead of the last
-commit (``max_pending`` items wait in the queue while the writer commits a block of up to
-``flush_every_steps`` rows plus the backlog it took, itself at most ``max_pending``),
-plus the open step.
+rows, every ``flush_every_seconds`` seconds (whatever the writer's queue holds), on
+:meth:`Recorder.flush` and on :meth:`Recorder.close`. A process that dies loses what was
+not committed: the training thread runs at most ``flush_every_steps + 2 * max_pending + 1``
+sealed rows ahead of the last commit (``max_pending`` items wait in the queue and one in a
+hand-over while the writer commits a block of up to ``flush_every_steps`` rows plus the
+backlog it took, itself at most ``max_pending``), plus the open step. Storage slower than
+capture slows the training thread (back-pressure), never the commits.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import platform
 import socket
 import threading
 import uuid
+import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +34,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from traintape._version import __version__
+from traintape.core import layout as L
 from traintape.core.claim import STALE_AFTER, WriterClaim
 from traintape.core.errors import (
     CaptureDisabledError,
@@ -40,7 +44,8 @@ from traintape.core.errors import (
 )
 from traintape.core.group import ProcessGroup, check_group, detect
 from traintape.core.inputs import check_array, check_metric, check_step, check_user
-from traintape.core.kvstore import KvStore, Location, normalize_url
+from traintape.core.kvstore import KvStore, Location, check_key_length, normalize_url
+from traintape.core.options import RecorderOptions
 from traintape.core.registry import TensorRegistry
 from traintape.core.rows import NonfiniteEvents, RowState
 from traintape.core.stats import backend as host_backend
@@ -50,6 +55,7 @@ from traintape.core.store import (
     inspect_location,
     read_manifest,
     remove_leftovers,
+    remove_lock_files,
     storage_dtype,
     write_manifest,
 )
@@ -135,6 +141,12 @@ class Recorder:
             a number every that many seconds, False records none. Process 0's.
         samples_per_step: training samples per optimizer step (the global batch size),
             for ``sys/samples_per_s``.
+        write_timeout: seconds the writer may go without progress (no write completing)
+            before it is declared hung — storage that stopped answering (a frozen object
+            store, a hung NFS mount): capture is then disabled with a loud error, the
+            training thread never waits for the writer again, and :meth:`close` raises
+            :class:`CaptureDisabledError` without waiting. The most the training thread
+            waits on storage at any one time.
     """
 
     policy: CapturePolicy
@@ -161,21 +173,20 @@ class Recorder:
         resume_step: int | None = None,
         system_metrics: bool | float = True,
         samples_per_step: int | None = None,
+        write_timeout: float = 120.0,
     ) -> None:
+        opts = RecorderOptions.check(  # every option range-checked before anything else
+            flush_every_steps=flush_every_steps, flush_every_seconds=flush_every_seconds,
+            max_pending=max_pending, max_pending_bytes=max_pending_bytes,
+            compression=compression, claim_stale_after=claim_stale_after,
+            write_timeout=write_timeout, system_metrics=system_metrics,
+            samples_per_step=samples_per_step,
+        )  # fmt: skip
+        flush_every_steps, flush_every_seconds = opts.flush_every_steps, opts.flush_every_seconds
+        max_pending, max_pending_bytes = opts.max_pending, opts.max_pending_bytes
+        claim_stale_after, write_timeout = opts.claim_stale_after, opts.write_timeout
+        system_metrics = opts.system_metrics
         interval = 1.0 if system_metrics is True else float(system_metrics)
-        if system_metrics is not False and not interval > 0:
-            raise ValueError(
-                f"system_metrics must be a bool or seconds > 0, got {system_metrics!r}"
-            )
-        if samples_per_step is not None and (
-            isinstance(samples_per_step, bool) or not isinstance(samples_per_step, int)
-            or samples_per_step <= 0
-        ):  # fmt: skip
-            raise ValueError(f"samples_per_step must be a positive int, got {samples_per_step!r}")
-        if flush_every_steps < 1:
-            raise ValueError(f"flush_every_steps must be >= 1, got {flush_every_steps}")
-        if flush_every_seconds <= 0:
-            raise ValueError(f"flush_every_seconds must be > 0, got {flush_every_seconds}")
         user = check_user(user)  # refused here, before anything is claimed or written
         self.url = normalize_url(url)
         self.strict = strict
@@ -185,6 +196,7 @@ class Recorder:
         if resume_step is not None:
             resume_step = check_step(resume_step)
         self._resume_step = resume_step
+        self._write_timeout = write_timeout
         args = (policy, run_id, producer, flush_every_steps, flush_every_seconds, max_pending,
                 max_pending_bytes, compression, user)  # fmt: skip
         failure: BaseException | None = None
@@ -216,6 +228,8 @@ class Recorder:
                 interval, samples_per_step, bytes_written=self._writer.bytes_written
             )
             self._rows.on_open = self._system_row
+        # a Recorder never closed is closed at interpreter exit (bounded), with a warning
+        _track_open(self)
         if self._claim is not None and self._claim.took_over is not None:
             self.event(
                 self._rows.last_sealed or 0,
@@ -231,6 +245,7 @@ class Recorder:
         self._claim.acquire()  # one writer per store: a live one makes this raise
         try:
             existing = _prepare_location(self.url, clean_leftovers=True)  # as it is now
+            remove_lock_files(self.url)  # temporaries of killed writers (we hold the claim)
             if self.group.count > 1:  # an earlier job's progress must not vouch for ours
                 clear_progress(KvStore(self.url))
             self._open(existing, *args)
@@ -277,6 +292,13 @@ class Recorder:
         compression: str,
         user: Mapping[str, Any] | None,
     ) -> None:
+        # everything that can refuse is checked before anything changes (a refused
+        # resume must not have rewound the store first)
+        if existing is not None and policy is not None and policy != existing.policy:
+            raise RecordError(
+                f"store {self.url} was recorded with policy {existing.policy.model_dump()}; "
+                f"refusing to resume it with a different policy {policy.model_dump()}"
+            )
         if existing is not None and self._resume_step is not None:
             from traintape.core.rewind import rewind
 
@@ -288,11 +310,6 @@ class Recorder:
             m = existing
             # an older schema's stat vector (a subset of this build's) stays the store's:
             # appended rows keep its columns (the writer selects them by name)
-            if policy is not None and policy != m.policy:
-                raise RecordError(
-                    f"store {self.url} was recorded with policy {m.policy.model_dump()}; "
-                    f"refusing to resume it with a different policy {policy.model_dump()}"
-                )
             m.status = "open"
             if producer is not None:
                 m.producer = producer
@@ -318,6 +335,7 @@ class Recorder:
                 max_pending_bytes=max_pending_bytes,
                 claim=self._claim,
                 followers=self.group.count - 1,
+                write_timeout=self._write_timeout,
             )
             if existing is None:
                 writer._write_manifest(m.model_copy(deep=True))
@@ -387,7 +405,27 @@ class Recorder:
         same layer, and a later spec that knows the kind fills it into earlier ones.
         """
         with self._lock:
+            self._check_spec_paths(specs)
             self._tensors.declare(specs, in_forward_order=in_forward_order)
+
+    def _check_path(self, array_path: str, what: str) -> None:
+        """Refuse (RecordError, at the call) a name whose array's keys would exceed the
+        storage's path or key limits — found at a commit, it would disable capture."""
+        why = check_key_length(self.url, array_path)
+        if why is not None:
+            raise RecordError(f"{what} is too long for the store {self.url}: {why}")
+
+    def _check_spec_paths(self, specs: Sequence[TensorSpec]) -> None:
+        """:meth:`_check_path` for the snapshot arrays of tensors about to be declared
+        (the only arrays whose paths hold a tensor's name)."""
+        for s in specs:
+            if not self._tensors.declared(Kind(s.kind)) or s.name not in self._tensors.specs(
+                Kind(s.kind)
+            ):
+                self._check_path(
+                    L.snapshot_path(Kind(s.kind), s.name),
+                    f"tensor {s.name!r} ({Kind(s.kind).value})",
+                )
 
     # ------------------------------------------------------------------ recording
     def wants(self, step: int, kind: Kind | str) -> bool:
@@ -530,12 +568,12 @@ class Recorder:
             if not arrays:
                 return False
             if not self._tensors.declared(kind):
-                self._tensors.declare(
-                    [
-                        TensorSpec.build(n, kind, dtype=a.dtype.name, shape=a.shape)
-                        for n, a in arrays.items()
-                    ]
-                )
+                specs_ = [
+                    TensorSpec.build(n, kind, dtype=a.dtype.name, shape=a.shape)
+                    for n, a in arrays.items()
+                ]
+                self._check_spec_paths(specs_)
+                self._tensors.declare(specs_)
             else:
                 self._tensors.check_same_set(kind, arrays.keys())
             specs = self._tensors.specs(kind)
@@ -774,17 +812,22 @@ class Recorder:
         new = [n for n in values if n not in self._manifest.metrics]
         if new:
             check_no_prefix_clash([*self._manifest.metrics, *new])
+            for n in new:
+                self._check_path(L.metric_path(n), f"metric {n!r}")
             self._manifest.metrics = sorted([*self._manifest.metrics, *new])
         for name, fv in values.items():
             row.metrics[name] = fv
+            if is_system(name):  # traintape's own measurements raise no NaN/Inf events
+                continue
             ev = self._nonfinite.of_metric(row.step, name, fv)
             if ev is not None:
                 self._manifest.events.append(ev)
 
     def _system_row(self, row: Row) -> None:
         """RowState hook: the system metrics of a newly opened row (under ``_lock``)."""
-        if self._system is not None:
-            self._put_metrics(row, self._system.row_metrics(row.step))
+        if self._system is not None:  # a value not measured (NaN) is missing, not NaN
+            values = self._system.row_metrics(row.step)
+            self._put_metrics(row, {k: v for k, v in values.items() if v == v})
 
     def event(
         self,
@@ -933,7 +976,11 @@ class Recorder:
         self._raise_if_strict()
 
     def close(self) -> None:
-        """Seal the open step, commit everything, trim arrays, mark the run closed."""
+        """Seal the open step, commit everything, trim arrays, mark the run closed.
+
+        A Recorder not closed by the time the interpreter exits is closed then (within
+        :data:`EXIT_TIMEOUT` seconds), with a ``ResourceWarning`` naming it."""
+        _OPEN.discard(self)
         if self._closed:
             return
         err = self._run_sync_hooks(True)
@@ -971,6 +1018,72 @@ class Recorder:
 
     def __repr__(self) -> str:
         return f"Recorder({self.url!r}, rows={self._writer.rows_committed})"
+
+
+EXIT_TIMEOUT = 60.0
+"""Seconds a Recorder left open may take to close at interpreter exit."""
+
+
+_OPEN: weakref.WeakSet[Recorder] = weakref.WeakSet()
+"""Recorders of this process not closed yet."""
+_EXIT_HOOK: list[bool] = []
+
+
+def _track_open(rec: Recorder) -> None:
+    """Remember ``rec`` until it is closed; the first time, install the exit hook. It
+    runs at interpreter shutdown *before* ``concurrent.futures`` stops its pools (the
+    writer's fsync pool is one) — ``threading``'s exit hooks, run in reverse order of
+    registration — and falls back to :mod:`atexit` where that hook does not exist."""
+    _OPEN.add(rec)
+    if _EXIT_HOOK:
+        return
+    _EXIT_HOOK.append(True)
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        register(_close_all_forgotten)
+    else:  # pragma: no cover - CPython has had it since 3.9
+        import atexit
+
+        atexit.register(_close_all_forgotten)
+
+
+def _close_all_forgotten() -> None:
+    for rec in list(_OPEN):
+        _close_forgotten(rec)
+
+
+def _close_forgotten(rec: Recorder) -> None:
+    """At interpreter exit: close a Recorder its program never closed (warning that it
+    was forgotten), in a thread given :data:`EXIT_TIMEOUT` seconds, so the rows it
+    recorded are committed and the claim released — instead of the writer thread dying
+    with the interpreter (0 rows committed, status ``open``, the claim left in place)."""
+    if rec._closed:
+        return
+    url = rec.url
+    msg = (
+        f"traintape: Recorder({url!r}) was never closed; closing it at interpreter exit "
+        f"(call close() or use `with Recorder(...)`)"
+    )
+    warnings.warn(msg, ResourceWarning, stacklevel=1)
+    import sys
+
+    print(msg, file=sys.stderr)  # ResourceWarning is hidden by default: say it anyway
+    failure: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            rec.close()
+        except BaseException as e:
+            failure.append(e)
+
+    t = threading.Thread(target=close, name="traintape-exit-close", daemon=True)
+    t.start()
+    t.join(EXIT_TIMEOUT)
+    if t.is_alive():
+        print(f"traintape: closing {url} at exit took over {EXIT_TIMEOUT:.0f} s; gave up",
+              file=sys.stderr)  # fmt: skip
+    elif failure:
+        print(f"traintape: closing {url} at exit failed: {failure[0]}", file=sys.stderr)
 
 
 class SnapshotStream:

@@ -226,3 +226,40 @@ def write_manifest(kv: KvStore, m: Manifest) -> None:
     m.updated_at = datetime.now(UTC)
     doc = L.group_metadata({MANIFEST_ATTR: m.model_dump(mode="json")})
     kv.write_json("zarr.json", doc)
+
+
+LOCK_SUFFIX = ".__lock"
+"""Temporary files of TensorStore's file kvstore (and of the direct shard writer): a
+write goes to ``<key>.__lock`` (or ``<key>.<n>.__lock``) and is renamed into place; a
+process killed mid-write leaves one behind. Never data."""
+
+
+def stale_lock_files(url: str) -> list[str]:
+    """The temporary ``*.__lock`` files inside the local store at ``url`` (paths relative
+    to it; [] for a remote store, which has none)."""
+    root = local_path(url)
+    if root is None:
+        return []
+    out = []
+    for d, _dirs, files in os.walk(root):
+        for f in files:
+            if f.endswith(LOCK_SUFFIX):
+                out.append(os.path.relpath(os.path.join(d, f), root))
+    return sorted(out)
+
+
+def remove_lock_files(url: str, keep: tuple[str, ...] = ()) -> int:
+    """Remove the temporary ``*.__lock`` files of the local store at ``url`` (only while
+    holding the writer claim, or with no writer: a live writer's in-flight writes are
+    such files); ``keep``: relative paths to leave. Returns how many were removed."""
+    root = local_path(url)
+    n = 0
+    for rel in stale_lock_files(url):
+        if rel in keep or root is None:
+            continue
+        try:
+            os.remove(os.path.join(root, rel))
+            n += 1
+        except FileNotFoundError:
+            pass
+    return n

@@ -398,6 +398,25 @@ class _QueueWorker:
     _thread: threading.Thread
     _queue: queue.Queue[Any]
     _handed_bytes: int = 0  # data bytes of every item put so far (uncompressed)
+    write_timeout: float = math.inf
+    """Seconds the writer thread may go without progress before it is declared hung."""
+    _busy_since: float | None = None  # monotonic time of the writer's last progress
+    _hung = False  # declared hung (:meth:`_check_hung`): the training thread waits no more
+
+    def _check_hung(self) -> bool:
+        """Whether the writer is hung: busy without progress for ``write_timeout`` seconds
+        (storage that stopped answering). Called from the training thread, which then
+        waits for the writer no more (:meth:`_declare_hung`)."""
+        if self._hung:
+            return True
+        since = self._busy_since
+        if since is None or time.monotonic() - since <= self.write_timeout:
+            return False
+        self._declare_hung(time.monotonic() - since)
+        return True
+
+    def _declare_hung(self, seconds: float) -> None:
+        self._hung = True
 
     def bytes_written(self) -> int:
         """Bytes of data (stat vectors, metrics, snapshot tensors; uncompressed) handed
@@ -413,14 +432,26 @@ class _QueueWorker:
         arrays to their committed size and marks the run closed)."""
         if self._thread.is_alive():
             self._control("close", timeout)
-            self._thread.join(timeout)
+            if not self._hung:
+                self._thread.join(timeout)
 
     def _control(self, op: str, timeout: float | None) -> None:
-        if not self._thread.is_alive():
+        """Send control message ``op`` and wait until it is answered (or ``timeout``
+        seconds, or the writer is declared hung: then it returns at once)."""
+        if not self._thread.is_alive() or self._check_hung():
             return
         c = _Control(op)
-        self._queue.put(c)
-        c.done.wait(timeout)
+        while True:
+            try:
+                self._queue.put(c, timeout=0.1)
+                break
+            except queue.Full:
+                if self._check_hung():
+                    return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not c.done.wait(0.1):
+            if self._check_hung() or (deadline is not None and time.monotonic() > deadline):
+                return
 
 
 class StoreWriter(_QueueWorker):
@@ -439,8 +470,11 @@ class StoreWriter(_QueueWorker):
         claim: WriterClaim | None = None,
         followers: int = 0,
         followers_timeout: float = 300.0,
+        write_timeout: float = 120.0,
     ) -> None:
         self.url = url
+        self.write_timeout = write_timeout
+        self._hang_handled = False
         self.followers = followers  # processes 1..followers write Parts (multi-process job)
         self.followers_timeout = followers_timeout
         self._parts_upto: dict[Kind, int] = {}  # snapshots (per kind) holding Parts
@@ -501,8 +535,11 @@ class StoreWriter(_QueueWorker):
         return self._pending_bytes
 
     def put(self, item: Row | Snapshot) -> None:
-        """Enqueue an item; blocks (a counted stall) only if the queue is full."""
-        if self.error is not None:
+        """Enqueue an item; blocks (a counted stall) only if the queue is full, and
+        never longer than until the writer is declared hung (:meth:`_check_hung`: no
+        progress for ``write_timeout`` seconds — capture is then disabled and items are
+        dropped; training goes on at full speed)."""
+        if self.error is not None or self._check_hung():
             return
         t0 = time.perf_counter()
         stalled = False
@@ -522,12 +559,20 @@ class StoreWriter(_QueueWorker):
                 ):
                     stalled = True
                     self._bytes_cond.wait(0.1)
+                    if self._check_hung():
+                        return
                 self._pending_bytes += nbytes
         try:
             self._queue.put_nowait(item)
         except queue.Full:
             stalled = True
-            self._queue.put(item)
+            while True:
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    if self._check_hung():
+                        return
         if stalled:
             with self._stats_lock:
                 self._writer_stats.stalls += 1
@@ -547,6 +592,8 @@ class StoreWriter(_QueueWorker):
             ):
                 stalled = True
                 self._bytes_cond.wait(0.1)
+                if self._check_hung():
+                    return
         if stalled:
             with self._stats_lock:
                 self._writer_stats.stalls += 1
@@ -567,6 +614,9 @@ class StoreWriter(_QueueWorker):
     # ------------------------------------------------------------------ writer thread
     def _run(self) -> None:
         while True:
+            if self._hung:  # declared hung and back: say so in the store, then end
+                self._after_hang()
+                return
             dirty = bool(self._rows or self._pending)
             now = time.monotonic()
             commit_in = self._last_commit + self.flush_every_seconds - now if dirty else None
@@ -577,14 +627,17 @@ class StoreWriter(_QueueWorker):
             )
             waits = [w for w in (commit_in, beat_in) if w is not None]
             timeout = max(0.0, min(waits)) if waits else None
+            self._busy_since = None  # idle: waiting for work is not a hang
             try:
                 item = self._deferred.pop(0) if self._deferred else self._queue.get(timeout=timeout)
             except queue.Empty:
+                self._busy_since = time.monotonic()
                 if dirty and time.monotonic() >= self._last_commit + self.flush_every_seconds:
                     self._guarded(self._commit)
                 else:
                     self._guarded(self._heartbeat)
                 continue
+            self._busy_since = time.monotonic()
             if isinstance(item, _Control):
                 if item.op == "close":
                     self._guarded(lambda: self._commit(final=True))
@@ -608,11 +661,31 @@ class StoreWriter(_QueueWorker):
                     >= (self.max_pending_bytes if item.final else self.stream_bytes) // 2
                 ):
                     self._guarded(self._commit)  # make them durable: frees the byte budget
+            if self._commit_due():  # whatever the queue holds: never starved by a busy queue
+                self._take_backlog()
+                self._guarded(self._commit)
+
+    def _commit_due(self) -> bool:
+        """Whether data is pending and ``flush_every_seconds`` have passed since the last
+        commit (checked after every item, not only when the queue runs empty: a producer
+        that keeps the queue full must not starve the commits)."""
+        return bool(self._rows or self._pending) and (
+            time.monotonic() >= self._last_commit + self.flush_every_seconds
+        )
 
     def _take_backlog(self) -> None:
         """Before a commit, take rows already waiting so one commit (one fsync round)
-        covers a backlog instead of the training thread stalling behind many commits."""
-        while True:
+        covers a backlog instead of the training thread stalling behind many commits.
+
+        Bounded: at most the items waiting when it starts (``max_pending``), taken within
+        ``flush_every_seconds`` — a producer that refills the queue as fast as it is
+        taken never postpones the commit (issue 25: with an unbounded loop a busy queue
+        meant no commit at all), and slow commits cover a backlog each instead of a row
+        or two (storage slower than capture then costs throughput, never commits)."""
+        deadline = time.monotonic() + self.flush_every_seconds
+        for _ in range(self._queue.qsize()):
+            if time.monotonic() >= deadline:
+                return
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
@@ -624,6 +697,46 @@ class StoreWriter(_QueueWorker):
             else:  # a control message: put it back in front by handling after commit
                 self._deferred.append(item)
                 return
+
+    def _progress(self) -> None:
+        """The writer thread made progress (a write completed): not hung."""
+        if self._busy_since is not None:
+            self._busy_since = time.monotonic()
+
+    def _declare_hung(self, seconds: float) -> None:
+        """No progress for ``seconds`` (training thread): disable capture loudly, without
+        touching storage (it hangs); the writer thread, if it ever comes back, marks the
+        store failed and releases the claim (:meth:`_after_hang`)."""
+        self._hung = True
+        err = StoreError(
+            f"{self.url}: the writer made no progress for {seconds:.0f} s (write_timeout "
+            f"{self.write_timeout:g} s): storage hung or unreachable"
+        )
+        if self.error is None:
+            self.error = err
+        with self._bytes_cond:
+            self._bytes_cond.notify_all()
+        msg = (
+            f"traintape: {err}. Capture is DISABLED for the rest of this run; training goes "
+            f"on; the {self.rows_committed} rows committed so far stay readable."
+        )
+        log.error(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=4)
+
+    def _after_hang(self) -> None:
+        """Writer thread, back from a call that hung: drop what is buffered, mark the
+        store failed with the last good commit mark, release the claim (best effort)."""
+        if self._hang_handled:
+            return
+        self._hang_handled = True
+        self._rows.clear()
+        self._pending.clear()
+        self._drop_io()
+        self._release_bytes(everything=True)
+        if self.error is not None:
+            self._mark_failed(self.error)
+        if self._claim is not None:
+            self._claim.release()
 
     def _guarded(self, fn: Callable[[], None]) -> None:
         if self.error is not None:
@@ -641,7 +754,7 @@ class StoreWriter(_QueueWorker):
         self._last_heartbeat = time.monotonic()
 
     def release_claim(self) -> None:
-        if self._claim is not None:
+        if self._claim is not None and not self._hung:  # (hung: the writer thread does)
             self._claim.release()
 
     def _drop_io(self) -> None:
@@ -656,6 +769,9 @@ class StoreWriter(_QueueWorker):
             self._io = None
 
     def _fail(self, e: BaseException) -> None:
+        if self._hung:  # already reported: the hung call failed at last
+            self._after_hang()
+            return
         self.error = e
         self._rows.clear()
         self._pending.clear()
@@ -677,7 +793,11 @@ class StoreWriter(_QueueWorker):
         warnings.warn(msg, RuntimeWarning, stacklevel=2)  # once, from the writer thread
         if lost:
             return
-        # Best effort: say so in the manifest, keeping the last good commit mark.
+        self._mark_failed(e)
+        self.release_claim()
+
+    def _mark_failed(self, e: BaseException) -> None:
+        """Best effort: say so in the manifest, keeping the last good commit mark."""
         try:
             m = self._last_good.model_copy(deep=True)
             m.status = "failed"
@@ -687,7 +807,6 @@ class StoreWriter(_QueueWorker):
             self._write_manifest(m)
         except Exception:
             pass
-        self.release_claim()
 
     def writer_stats(self) -> Any:
         with self._stats_lock:
@@ -924,8 +1043,10 @@ class StoreWriter(_QueueWorker):
         else:
             self._heartbeat()
         plan = self._plan(final)
-        self._write_and_wait(plan)
+        failed = self._write_and_wait(plan)
         self._write_commit_mark(plan)
+        if failed is not None:  # the rows are committed without the metric; now fail
+            raise failed
 
     def _plan(self, final: bool) -> _CommitPlan:
         """What this commit writes: the buffered rows as one block per row-axis array,
@@ -965,30 +1086,59 @@ class StoreWriter(_QueueWorker):
             final=final,
         )
 
-    def _write_and_wait(self, plan: _CommitPlan) -> None:
+    def _write_and_wait(self, plan: _CommitPlan) -> BaseException | None:
         """Create or grow the row arrays, write the block of new rows, and wait until it
         and every snapshot write issued since the last commit is durable (the file
         kvstore fsyncs before a write completes), and until the other processes of a
         multi-process job have confirmed their snapshot blocks. Then the buffers are
-        dropped and the training thread's byte budget is freed."""
+        dropped and the training thread's byte budget is freed.
+
+        A new metric's array that cannot be created (a name too long for the storage,
+        say) does not cost the other arrays their rows: the metric is left out of this
+        commit (its values with it) and the error is returned, to be raised once the
+        commit mark is written."""
         self._row_capacity = plan.capacity
+        failed: BaseException | None = None
         for path, meta in plan.create.items():
-            self._create(path, meta)
+            try:
+                self._create(path, meta)
+            except Exception as e:
+                if not path.startswith(L.METRICS + "/") or self._claim_lost():
+                    raise
+                name = path[len(L.METRICS) + 1 :]
+                plan.manifest.metrics.remove(name)
+                plan.blocks.pop(path, None)
+                failed = failed or StoreError(
+                    f"cannot create the array of metric {name!r} ({type(e).__name__}: {e}); "
+                    f"the rows recorded so far are committed without it"
+                )
         for path in plan.grow:
             arr = self._open(path)
             self._arrays[path] = arr.resize(
                 exclusive_max=[plan.capacity, *arr.shape[1:]], expand_only=True
             ).result()
         futures = list(self._pending)
+        r0 = plan.rows.start
+        for path in plan.create:  # a metric or kind first seen after committed rows:
+            if r0 > 0 and path in self._arrays:  # its earlier rows are stored as missing
+                arr = self._arrays[path]  # (every chunk exists: all_chunks_stored)
+                dt = arr.dtype.numpy_dtype
+                fill = np.broadcast_to(np.array(_FILL[dt.kind], dtype=dt), (r0, *arr.shape[1:]))
+                futures.append(arr[0:r0].write(fill))
         for path, values in plan.blocks.items():
             futures.append(self._open(path)[plan.rows].write(values))
         for f in futures:
             f.result()  # durable (file kvstore fsyncs) before the commit mark moves
+            self._progress()
         self._wait_for_followers(plan.followers_need)
         self._pending.clear()
         self._finishing.clear()
         self._release_bytes()
         self._rows = []
+        return failed
+
+    def _claim_lost(self) -> bool:
+        return self._claim is not None and not self._claim.held
 
     def _write_commit_mark(self, plan: _CommitPlan) -> None:
         """Make the planned rows visible: (``final``: trim the arrays to what is
@@ -1031,6 +1181,7 @@ class StoreWriter(_QueueWorker):
         waiting = set(range(0 if self._self_confirms else 1, self.followers + 1))
 
         def confirmed() -> bool:
+            self._progress()  # bounded by followers_timeout, not write_timeout
             for rank in sorted(waiting):
                 done = read_progress(self.kv, rank)
                 if all(done.get(k.value, 0) >= n for k, n in need.items()):
