@@ -461,7 +461,7 @@ def _ls_writer(url: str, status: str) -> tuple[str, dict[str, Any] | None]:
         return "stale", None
     writer = {"host": info.host, "pid": info.pid, "since": info.started_at,
               "heartbeat_age_s": round(time.time() - info.heartbeat, 1)}  # fmt: skip
-    return ("stale" if claim.is_stale(info) else "live"), writer
+    return ("live" if claim.looks_live(info) else "stale"), writer
 
 
 def _ls_row(path: str, open_run: Callable[[str], Any]) -> dict[str, Any]:

@@ -237,6 +237,18 @@ class WriterClaim:
             return other.session in _HELD
         return pid_alive(other.pid) and start_ticks(other.pid) == other.start_ticks
 
+    def looks_live(self, other: ClaimInfo, now: float | None = None) -> bool:
+        """A read-only guess for listings (``traintape ls``), never used to take a claim:
+        provably alive or gone where this process can tell, else whether the holder's
+        last heartbeat is younger than its stale interval by this host's clock (clocks
+        of two hosts may disagree: :meth:`acquire` watches instead of comparing)."""
+        if self.provably_alive(other):
+            return True
+        if self.provably_gone(other):
+            return False
+        age = (now if now is not None else time.time()) - other.heartbeat
+        return age < (other.stale_after or self.stale_after)
+
     def _refuse(self, other: ClaimInfo, why: str = "") -> NoReturn:
         raise StoreError(
             f"{self.url} is being written by another Recorder ({other.describe()}){why}; "
