@@ -130,9 +130,7 @@ def ordering_problems(tr: Trace, root: str) -> list[str]:
     if not commits:
         problems.append("no manifest write (rename to zarr.json) seen")
     for rn in renames:
-        opens = [
-            c for c in calls if c.name == "openat" and c.path == rn.path and c.end < rn.start
-        ]
+        opens = [c for c in calls if c.name == "openat" and c.path == rn.path and c.end < rn.start]
         if not opens:
             problems.append(f"{rn.dst}: renamed from {rn.path}, never opened")
             continue
@@ -144,11 +142,9 @@ def ordering_problems(tr: Trace, root: str) -> list[str]:
         if not dsync:
             problems.append(f"{rn.dst}: directory {d} not fsynced after the rename")
             continue
-        if "/c/" in rn.dst[len(root) :]:
-            if not any(m.start > dsync[0].end for m in commits):
-                problems.append(
-                    f"{rn.dst}: no manifest write after its rename and directory fsync"
-                )
+        chunk = "/c/" in rn.dst[len(root) :]
+        if chunk and not any(m.start > dsync[0].end for m in commits):
+            problems.append(f"{rn.dst}: no manifest write after its rename and directory fsync")
     # a temporary opened for writing and then removed (a delete: TensorStore locks the
     # key with one) publishes nothing
     done = {c.path for c in renames} | {c.path for c in calls if c.name.startswith("unlink")}
@@ -178,9 +174,9 @@ def traced(tmp_path_factory):
     script.write_text(RECORDING)
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     trace = "trace=fsync,fdatasync,rename,renameat,renameat2,openat,unlink,unlinkat"
+    cmd = [exe, "-f", "-qq", "-s", "4096", "-o", str(log), "-e", trace]
     p = subprocess.run(
-        [exe, "-f", "-qq", "-s", "4096", "-o", str(log), "-e", trace]
-        + [sys.executable, str(script), str(run)],
+        [*cmd, sys.executable, str(script), str(run)],
         env=env,
         capture_output=True,
         timeout=300,

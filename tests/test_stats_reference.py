@@ -48,8 +48,6 @@ def _signs(n: int) -> np.ndarray:
     return np.where(h >> np.uint64(31), -1.0, 1.0)
 
 
-
-
 def reference_vector(x: np.ndarray) -> dict[str, float]:
     """The stat vector of ``x`` by the definitions, float64 numpy."""
     v = np.asarray(x).astype(np.float64).ravel()
