@@ -89,11 +89,11 @@ MUTATIONS: list[Mutation] = [
     M("std-sample", SCHEMA,
       "lambda r: _unscale(np.sqrt(_ratio(np.maximum(r.m2, 0.0), r.nfinite)), r),",
       "lambda r: _unscale(np.sqrt(_ratio(np.maximum(r.m2, 0.0), r.nfinite - 1)), r),",
-      (ANCHOR,), "recorded", "std with n-1 (every framework equally wrong)"),
+      (ANCHOR,), "itself", "std with n-1 (every framework equally wrong)"),
     M("nan-count-zero", SCHEMA,
       'Stat("nan_count", "number of NaN elements", lambda r: r.nan, None),',
       'Stat("nan_count", "number of NaN elements", lambda r: r.nan * 0, None),',
-      (ANCHOR,), "planted", "nan_count forced to 0 (every framework equally wrong)"),
+      (ANCHOR,), "itself", "nan_count forced to 0 (every framework equally wrong)"),
     # ------------------------------------------------ schema: the stat algebra
     M("inf-count-sign", SCHEMA,
       "lambda r: r.numel - r.nfinite - r.nan, None)", "lambda r: r.numel - r.nfinite + r.nan, None)",

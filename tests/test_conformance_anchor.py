@@ -83,3 +83,14 @@ def test_zero_cells_refused():
     )
     assert p.returncode != 0
     assert "zero cells" in p.stderr.decode()
+
+
+def test_cell_of_a_store_with_itself_is_identical_and_anchored(torch_mlp):
+    """A matrix cell (check_pair) of a store against itself: compare alone cannot fail,
+    so any problem here comes from the anchor — with a shared statistic planted wrong
+    (std with n-1, nan_count forced to 0) this cell, like every cell, differs."""
+    from conformance.matrix import check_pair
+
+    url = torch_mlp.url
+    cell = check_pair(url, url, "mlp", "float32", names=("torch", "torch"))
+    assert cell.problems == [] and cell.identical
