@@ -5,6 +5,8 @@ The reference (:func:`reference_vector`) is written here from the stat definitio
 numpy over the tensor's own values, and the ``sig`` pattern spelled again in plain
 integers. Each backend is called on its own path, never routed to the host C kernel:
 
+- ``numpy``: :func:`traintape.schema.stats.reference_raw_rows` (the host backend where the
+  C kernel did not build, and the fallback for arrays it cannot take);
 - ``host-c``: :func:`traintape.core.stats.raw_rows` (the fused C kernel);
 - ``jax-ffi``: the same kernel as an XLA custom call, inside ``jax.jit``;
 - ``xla``: :func:`traintape.adapters.jax.stats.stat_matrix` (XLA reductions);
@@ -158,6 +160,12 @@ def _host_c() -> Callable[[list[np.ndarray]], np.ndarray]:
     return raw_rows
 
 
+def _numpy() -> Callable[[list[np.ndarray]], np.ndarray]:
+    from traintape.schema.stats import reference_raw_rows
+
+    return reference_raw_rows
+
+
 def _jax_ffi() -> Callable[[list[np.ndarray]], np.ndarray]:
     pytest.importorskip("jax")
     import jax
@@ -209,15 +217,23 @@ def _tf_ops() -> Callable[[list[np.ndarray]], np.ndarray]:
     return raw
 
 
-BACKENDS = ["host-c", "jax-ffi", "xla", "torch-ops", "tf-ops"]
+BACKENDS = ["numpy", "host-c", "jax-ffi", "xla", "torch-ops", "tf-ops"]
 # float32 accumulation (device paths, the C kernel's float32 lanes): ~1e-6 relative
-RTOL = {"host-c": 2e-6, "jax-ffi": 2e-6, "xla": 1e-5, "torch-ops": 1e-5, "tf-ops": 1e-5}
+RTOL = {
+    "numpy": 1e-10,
+    "host-c": 2e-6,
+    "jax-ffi": 2e-6,
+    "xla": 1e-5,
+    "torch-ops": 1e-5,
+    "tf-ops": 1e-5,
+}
 
 
 @pytest.fixture
 def backend(request, monkeypatch):
     name = request.param
     make = {
+        "numpy": _numpy,
         "host-c": _host_c,
         "jax-ffi": _jax_ffi,
         "xla": _xla,
@@ -244,7 +260,8 @@ def test_backend_matches_float64_reference_per_tensor(backend):
     got = finalize(np.asarray(raw(arrays), dtype=np.float64))
     assert got.shape == (len(arrays), len(STAT_NAMES))
     for case, a, g in zip(NAMES, arrays, got, strict=True):
-        rtol = 1e-12 if a.dtype == np.float64 and name in ("host-c", "torch-ops") else RTOL[name]
+        f64 = a.dtype == np.float64 and name in ("numpy", "host-c", "torch-ops")
+        rtol = 1e-12 if f64 else RTOL[name]
         check(g, a, rtol, f"{name} {case}")
 
 
