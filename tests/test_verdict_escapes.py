@@ -15,6 +15,8 @@ random tensors (:func:`traintape.schema.stats.reference_stats`).
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import zarr
@@ -170,3 +172,18 @@ def test_validate_refuses_bad_steps(tmp_path, row, value, message):
     rep = tt.validate(url)
     assert not rep.ok
     assert any(message in p for p in rep.problems), rep.problems
+
+
+def test_validate_refuses_commit_mark_disagreeing_with_the_last_step(tmp_path):
+    """Planted bug: validate ignores a commit mark whose ``last_step`` is not the step of
+    the last committed row."""
+    url = tmp_path / "run"
+    _write(str(url), 6)
+    p = url / "zarr.json"
+    doc = json.loads(p.read_text())
+    assert doc["attributes"]["traintape"]["commit"]["last_step"] == 5
+    doc["attributes"]["traintape"]["commit"]["last_step"] = 4
+    p.write_text(json.dumps(doc))
+    rep = tt.validate(str(url))
+    assert not rep.ok
+    assert any("last_step 4 but row 5 holds step 5" in q for q in rep.problems), rep.problems
