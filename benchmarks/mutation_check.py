@@ -196,7 +196,7 @@ MUTATIONS: list[Mutation] = [
       (ESC,), "compare", "compare treats NaN on one side as agreement"),
     M("compare-atol-ignored", "traintape/analysis/compare.py",
       "        if atol is not None:\n            tols[k].atol = atol", "        if False:\n            tols[k].atol = atol",
-      ("tests/test_compare.py",), None, "compare ignores atol="),
+      (ESC,), "compare", "compare ignores atol="),
     M("anomalies-first-nan-count", "traintape/analysis/_common.py",
       "        count += bad.sum(axis=0)", "        count += bad.any(axis=0)",
       (ESC,), "nan", "first-NaN reducer counts blocks, not steps"),

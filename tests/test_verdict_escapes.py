@@ -90,6 +90,14 @@ def test_compare_tolerances_tighten_a_verdict(pair):
     assert first is not None and first.kind == "grad" and first.first_step_out == 0
 
 
+def test_compare_atol_and_rtol_arguments_change_the_verdict(pair):
+    """Planted bug: compare ignores ``atol=`` (or ``rtol=``) for every kind."""
+    assert not compare(pair["a"], pair["rel1e-3"]).identical
+    assert compare(pair["a"], pair["rel1e-3"], atol=0.1).identical
+    assert compare(pair["a"], pair["rel1e-3"], rtol=1e-2).identical
+    assert not compare(pair["a"], pair["rel1e-6"], atol=0.0, rtol=1e-9).identical
+
+
 def test_compare_row_missing_on_one_side_differs(tmp_path):
     """Planted bug: compare drops a row when *either* side is all-NaN (should be: both)."""
     missing_step, tensor = 5, NAMES.index("layers/1/kernel")
