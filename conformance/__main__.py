@@ -8,7 +8,7 @@ import sys
 from dataclasses import asdict
 
 from conformance import spec as S
-from conformance.matrix import DTYPES, render, run_matrix
+from conformance.matrix import DTYPES, render, require_cells, run_matrix
 from conformance.worker import FRAMEWORKS
 
 
@@ -27,8 +27,14 @@ def main(argv: list[str] | None = None) -> int:
         help="exit 0 when every differing cell is a known gap (conformance/known.py)",
     )
     a = p.parse_args(argv)
+    if len(set(a.frameworks)) < 2:
+        p.error(
+            f"--frameworks {' '.join(a.frameworks)}: the matrix would have zero cells "
+            "(a cell compares two frameworks); name at least two"
+        )
     cells = run_matrix(tuple(a.frameworks), tuple(a.dtypes), tuple(a.models), a.out, a.jobs,
                        adam=not a.no_adam)  # fmt: skip
+    require_cells(cells, tuple(a.frameworks))
     if a.json:
         print(json.dumps([asdict(c) | {"verdict": c.verdict} for c in cells], indent=2))
     else:

@@ -170,6 +170,7 @@ def check_pair(
         problems += _initial_exact(ra, rb, model, dtype)
     except Exception as e:  # a missing step-0 snapshot is itself a failure
         problems.append(f"initial params: {e}")
+    problems += _anchor(ra, names[0])
     cell = Cell(dtype, model, names[0], names[1], identical=rep.identical and not problems,
                 initial_exact=not any(p.startswith("initial") for p in problems),
                 problems=problems)  # fmt: skip
@@ -190,6 +191,26 @@ def check_pair(
     if fd is not None:
         cell.first_divergence = f"{fd.kind} {fd.tensor} at step {fd.first_step_out}"
     return cell
+
+
+def _anchor(run: Any, label: str) -> list[str]:
+    """Framework ``label``'s stats against float64 numpy of its own tensors
+    (:mod:`conformance.anchor`): identical must also mean right."""
+    from conformance.anchor import anchor_problems
+
+    try:
+        return anchor_problems(run, label)
+    except Exception as e:  # a store the anchor cannot read is itself a failure
+        return [f"anchor {label}: {type(e).__name__}: {e}"]
+
+
+def require_cells(cells: list[Cell], frameworks: tuple[str, ...]) -> None:
+    """Refuse a matrix with zero cells (it would pass having compared nothing)."""
+    if not cells:
+        raise ValueError(
+            f"the conformance matrix has zero cells for frameworks {list(frameworks)}: "
+            "a cell compares two frameworks, so name at least two"
+        )
 
 
 def compare_all(
