@@ -244,6 +244,7 @@ class Recorder:
         self.policy = m.policy
         self._tensors = TensorRegistry(m)
         self._rows = RowState(self.url, m.commit.last_step)
+        self._first_step = 0 if m.commit.last_step is None else m.commit.last_step + 1
         self._nonfinite = NonfiniteEvents(m.events)
         self._closed = False
         self._sync_hooks = []
@@ -334,6 +335,13 @@ class Recorder:
         changing it changes nothing in the recorder."""
         with self._lock:
             return self._manifest.model_copy(deep=True)
+
+    @property
+    def next_step(self) -> int:
+        """The optimizer step recording continues at (read-only; fixed when opened): 0
+        for a new run, ``N`` for a recorder opened with ``resume_step=N``, else the last
+        committed step + 1 (appending). Every adapter's step counter starts here."""
+        return self._first_step if self._resume_step is None else self._resume_step
 
     @property
     def enabled(self) -> bool:

@@ -1,0 +1,125 @@
+"""``grad`` as the backward pass produced it, and the clip factor applied after it.
+
+docs/store-format.md defines ``grad`` as the gradient after accumulation and the
+data-parallel reduction, *before* clipping or any other change on the way to the
+optimizer. Training loops change ``p.grad`` in place between the end of backward and
+``optimizer.step()``: ``clip_grad_norm_`` scales every gradient by one factor
+``c = min(1, max_norm / (total_norm + 1e-6))``; AMP's ``GradScaler.unscale_`` divides
+by the loss scale ``S`` (a power of two). The torch adapter therefore takes the
+gradient's raw statistics at the **end of each backward pass** (an autograd engine
+callback, queued from a gradient hook — the mechanism DDP finalises its reduction with;
+re-queued once so it runs after the callbacks DDP/FSDP queue during the backward pass:
+the gradients are reduced then) and, at the optimizer step, checks whether the
+gradients changed since (:func:`versions`: each gradient tensor's identity and
+in-place version counter — nothing is read when they did not change).
+
+When they changed, :func:`rescale` compares every gradient's L2 norm now with its norm
+at the end of backward: one common ratio ``r`` is a uniform rescale, ``r = c / S``, with
+``S`` the loss scale of a ``GradScaler`` stepping this optimizer (found on the call
+stack: ``GradScaler.step`` calls ``optimizer.step``; 1 without one). The recorded
+``grad`` is then the end-of-backward statistics divided by ``S`` (exact: a power of two)
+and ``c`` is logged as the run metric ``grad/clip_factor``. A change that is not one
+common factor (``clip_grad_value_``, per-parameter clipping, edited gradients) leaves
+``grad`` as backward produced it (divided by ``S``) and logs no factor, with a warning
+once per watch.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+
+from traintape.schema.stats import RAW_INDEX
+
+RATIO_RTOL = 1e-4
+"""Largest relative spread of the per-tensor norm ratios still called one common factor
+(the two norms come from different reductions: float32 rounding, ~1e-7)."""
+
+
+def queue_end_of_backward(fn: Any) -> None:
+    """Run ``fn()`` once the current backward pass has finished, after the callbacks
+    queued during it (DDP's reduction finaliser, FSDP2's post-backward): a callback that
+    queues ``fn`` behind them. Call from inside a backward pass (a gradient hook)."""
+    engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+    engine.queue_callback(lambda: engine.queue_callback(fn))
+
+
+def versions(tensors: list[torch.Tensor]) -> tuple[tuple[int, int] | None, ...]:
+    """Identity and in-place version counter of each tensor's ``.grad`` (None: no grad):
+    equal before and after iff no gradient was replaced or changed in place."""
+    out: list[tuple[int, int] | None] = []
+    for p in tensors:
+        g = p.grad
+        out.append(None if g is None else (id(g), int(g._version)))
+    return tuple(out)
+
+
+def grad_scaler_in_stack() -> Any:
+    """The ``torch.amp.GradScaler`` whose ``step`` is calling the optimizer, if any (its
+    frame is on the stack of the optimizer's step hooks: Accelerate's and Lightning's
+    optimizer steps go through it too)."""
+    try:
+        from torch.amp import GradScaler
+    except ImportError:  # pragma: no cover
+        return None
+    f: Any = sys._getframe(1)
+    for _ in range(64):
+        if f is None:
+            return None
+        obj = f.f_locals.get("self")
+        if isinstance(obj, GradScaler):
+            return obj
+        f = f.f_back
+    return None
+
+
+def raw_l2(raw: torch.Tensor) -> torch.Tensor:
+    """Per-row L2 norm ``[n]`` float64 of raw rows ``[n, N_RAW]`` (undoing ``exp``)."""
+    sumsq = raw[:, RAW_INDEX["sumsq"]]
+    return torch.sqrt(sumsq) * torch.exp2(raw[:, RAW_INDEX["exp"]])
+
+
+def scale_raw(raw: torch.Tensor, f: float) -> torch.Tensor:
+    """Raw rows of the tensors times ``f > 0``: first-power sums, min/max times ``f``,
+    second-power sums times ``f**2`` (exact when ``f`` is a power of two)."""
+    out = raw.clone()
+    for name in ("sum", "abs_sum", "sig", "min", "max"):
+        out[:, RAW_INDEX[name]] *= f
+    for name in ("m2", "sumsq"):
+        out[:, RAW_INDEX[name]] *= f * f
+    return out
+
+
+def rescale(before: torch.Tensor, now: list[torch.Tensor | None]) -> tuple[float | None, float]:
+    """``(c, S)`` from the raw rows ``before`` (end of backward) and the parts ``now``
+    (the same tensors at the optimizer step, None for no gradient): ``S`` the loss scale
+    of a ``GradScaler`` stepping the optimizer (1.0 without one), ``c`` the common factor
+    the gradients were scaled by beyond ``1/S`` (1.0: unchanged), None when the change
+    was not one common factor. One device→host transfer."""
+    scaler = grad_scaler_in_stack()
+    amp = 1.0
+    if scaler is not None and scaler.is_enabled():
+        amp = float(scaler.get_scale())
+    idx = [i for i, x in enumerate(now) if x is not None and x.numel()]
+    if not idx:
+        return 1.0, amp
+    xs = [now[i] for i in idx]
+    norms = torch._foreach_norm(xs, 2, dtype=torch.float32)  # type: ignore[arg-type]
+    a = torch.stack([n.to(before.device, torch.float64) for n in norms])
+    b = raw_l2(before)[idx]
+    pair = torch.stack([a, b]).cpu().numpy()
+    ok = np.isfinite(pair).all(axis=0) & (pair[1] > 0)
+    if not ok.any():
+        return 1.0, amp
+    r = pair[0, ok] / pair[1, ok]
+    med = float(np.median(r))
+    if not np.all(np.abs(r - med) <= RATIO_RTOL * abs(med)):
+        return None, amp
+    c = med * amp
+    if abs(c - 1.0) <= 1e-6:
+        c = 1.0
+    return (c if math.isfinite(c) else None), amp
