@@ -9,12 +9,14 @@ by the loss scale ``S`` (a power of two). The torch adapter therefore takes the
 gradient's raw statistics at the **end of each backward pass** (an autograd engine
 callback, queued from a gradient hook — the mechanism DDP finalises its reduction with;
 re-queued once so it runs after the callbacks DDP/FSDP queue during the backward pass:
-the gradients are reduced then) and, at the optimizer step, checks whether the
-gradients changed since (:func:`versions`: each gradient tensor's identity and
-in-place version counter — nothing is read when they did not change).
+the gradients are reduced then). The last backward pass of a step leaves the gradient
+accumulated over its micro-batches.
 
-When they changed, :func:`rescale` compares every gradient's L2 norm now with its norm
-at the end of backward: one common ratio ``r`` is a uniform rescale, ``r = c / S``, with
+At the optimizer step, :func:`norm_pairs` takes every gradient's L2 norm again (one
+``_foreach_norm``: in-place version counters would be cheaper but miss changes made
+through ``.data`` and, on FSDP2's DTensor gradients, ``clip_grad_norm_`` itself) and
+:func:`clip_factor` compares them with the norms at the end of backward, on the host
+with the step's one transfer: one common ratio ``r`` is a uniform rescale, ``r = c / S``, with
 ``S`` the loss scale of a ``GradScaler`` stepping this optimizer (found on the call
 stack: ``GradScaler.step`` calls ``optimizer.step``; 1 without one). The recorded
 ``grad`` is then the end-of-backward statistics divided by ``S`` (exact: a power of two)
@@ -46,16 +48,6 @@ def queue_end_of_backward(fn: Any) -> None:
     queues ``fn`` behind them. Call from inside a backward pass (a gradient hook)."""
     engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
     engine.queue_callback(lambda: engine.queue_callback(fn))
-
-
-def versions(tensors: list[torch.Tensor]) -> tuple[tuple[int, int] | None, ...]:
-    """Identity and in-place version counter of each tensor's ``.grad`` (None: no grad):
-    equal before and after iff no gradient was replaced or changed in place."""
-    out: list[tuple[int, int] | None] = []
-    for p in tensors:
-        g = p.grad
-        out.append(None if g is None else (id(g), int(g._version)))
-    return tuple(out)
 
 
 def grad_scaler_in_stack() -> Any:
@@ -94,32 +86,43 @@ def scale_raw(raw: torch.Tensor, f: float) -> torch.Tensor:
     return out
 
 
-def rescale(before: torch.Tensor, now: list[torch.Tensor | None]) -> tuple[float | None, float]:
-    """``(c, S)`` from the raw rows ``before`` (end of backward) and the parts ``now``
-    (the same tensors at the optimizer step, None for no gradient): ``S`` the loss scale
-    of a ``GradScaler`` stepping the optimizer (1.0 without one), ``c`` the common factor
-    the gradients were scaled by beyond ``1/S`` (1.0: unchanged), None when the change
-    was not one common factor. One device→host transfer."""
-    scaler = grad_scaler_in_stack()
-    amp = 1.0
-    if scaler is not None and scaler.is_enabled():
-        amp = float(scaler.get_scale())
+def norm_pairs(before: torch.Tensor, now: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """``[2, k]`` float64 on the device: the L2 norms of the parts ``now`` (the
+    gradients at the optimizer step, None for no gradient; one ``_foreach_norm``) and
+    of the same tensors at the end of backward (from the raw rows ``before``), for the
+    k parts with elements; None when there are none. Nothing is synchronised."""
     idx = [i for i, x in enumerate(now) if x is not None and x.numel()]
     if not idx:
-        return 1.0, amp
+        return None
     xs = [now[i] for i in idx]
     norms = torch._foreach_norm(xs, 2, dtype=torch.float32)  # type: ignore[arg-type]
     a = torch.stack([n.to(before.device, torch.float64) for n in norms])
-    b = raw_l2(before)[idx]
-    pair = torch.stack([a, b]).cpu().numpy()
-    ok = np.isfinite(pair).all(axis=0) & (pair[1] > 0)
+    return torch.stack([a, raw_l2(before)[idx]])
+
+
+def loss_scale() -> float:
+    """The loss scale of the ``GradScaler`` stepping the optimizer (1.0 without one):
+    call from the optimizer's step hooks."""
+    scaler = grad_scaler_in_stack()
+    if scaler is not None and scaler.is_enabled():
+        return float(scaler.get_scale())
+    return 1.0
+
+
+def clip_factor(pairs: np.ndarray | None, amp: float) -> float | None:
+    """The common factor ``c`` the gradients were scaled by between the end of backward
+    and the optimizer step beyond AMP's ``1/amp`` (1.0: unchanged; :func:`norm_pairs`
+    on the host), or None when the change was not one common factor."""
+    if pairs is None:
+        return 1.0
+    ok = np.isfinite(pairs).all(axis=0) & (pairs[1] > 0)
     if not ok.any():
-        return 1.0, amp
-    r = pair[0, ok] / pair[1, ok]
+        return 1.0
+    r = pairs[0, ok] / pairs[1, ok]
     med = float(np.median(r))
     if not np.all(np.abs(r - med) <= RATIO_RTOL * abs(med)):
-        return None, amp
+        return None
     c = med * amp
     if abs(c - 1.0) <= 1e-6:
-        c = 1.0
-    return (c if math.isfinite(c) else None), amp
+        return 1.0
+    return c if math.isfinite(c) else None

@@ -223,7 +223,8 @@ class WatchHandle:
         self._clip_seen = False  # a rescale between backward and step was seen
         self._clip_warned = False
         self._grad_on = False  # grad recorded at the current step
-        self._bwd: tuple[torch.Tensor, list[bool], tuple[Any, ...]] | None = None
+        self._bwd: tuple[torch.Tensor, list[bool]] | None = None
+        self._clip_check: Any = None  # (norm pairs, loss scale), then [factor]
         self._bwd_queued = False
         self._bwd_failed = False
         self._rank = recorder.group.index
@@ -355,7 +356,7 @@ class WatchHandle:
             tensors = [(e, e.tensor().grad) for e in self.train_entries]
             shards = [self._shard(e, g) for e, g in tensors]
             raw = S.raw_stats([x for x, _, _ in shards], [m for _, _, m in shards])
-            self._bwd = (raw, [h for _, h, _ in shards], C.versions(self._unique_train_tensors()))
+            self._bwd = (raw, [h for _, h, _ in shards])
         except Exception as e:  # capture must not fail the backward pass
             self._bwd = None
             if not self._bwd_failed:
@@ -603,35 +604,33 @@ class WatchHandle:
                 m.training = mode
 
     def _grads(self) -> None:
-        """``grad`` of step t: the end-of-backward statistics (pre-clip), or ``p.grad``
-        read now when no backward pass was seen (gradients set by hand); the clip
-        factor of a rescale since the end of backward (module :mod:`.clip`)."""
+        """``grad`` of step t: the end-of-backward statistics (pre-clip; AMP's loss scale
+        divided out), or ``p.grad`` read now when no backward pass was seen (gradients
+        set by hand). The gradients' norms now against those at the end of backward give
+        the clip factor (:mod:`.clip`), resolved with the step's one transfer in
+        :meth:`_end` — here only on full-capture steps, whose snapshots need it."""
         t = self.step_index
         bwd, self._bwd = self._bwd, None
+        self._clip_check = None
         if not self.train_entries or not self._wants(t, Kind.GRAD):
             return
         names = [e.name for e in self.train_entries]
         grads = [e.tensor().grad for e in self.train_entries]
-        factor: float | None = 1.0
         if bwd is None:
             self._add_tensors(Kind.GRAD, names, list(zip(self.train_entries, grads, strict=True)))
         else:
-            raw, here, before = bwd
-            if before != C.versions(self._unique_train_tensors()):
-                now = [self._shard(e, g)[0] for e, g in zip(self.train_entries, grads, strict=True)]
-                factor, amp = C.rescale(raw, now)
-                if amp != 1.0:
-                    raw = C.scale_raw(raw, 1.0 / amp)
-                if factor is None:
-                    self._warn_not_uniform(t)
-                elif factor != 1.0:
-                    self._clip_seen = True
+            raw, here = bwd
+            amp = C.loss_scale()
+            if amp != 1.0:
+                raw = C.scale_raw(raw, 1.0 / amp)
+            now = [self._shard(e, g)[0] for e, g in zip(self.train_entries, grads, strict=True)]
+            self._clip_check = (C.norm_pairs(bwd[0], now), amp)
             self._add(Kind.GRAD, names, raw, here)
-        if factor is not None and (self._clip_seen or self.clipping) and self._rank == 0:
-            self.rec.log(t, {"grad/clip_factor": factor})
-        if factor not in (None, 1.0) and self.rec.policy.snapshots(t, Kind.GRAD):
-            with torch.no_grad():  # the snapshot before clipping (within rounding)
-                grads = [None if g is None else g / factor for g in grads]
+            if self.rec.policy.snapshots(t, Kind.GRAD):
+                factor = self._clip_factor()
+                if factor not in (None, 1.0):
+                    with torch.no_grad():  # the snapshot before clipping (within rounding)
+                        grads = [None if g is None else g / factor for g in grads]
         self._take_snapshots(
             Kind.GRAD,
             [
@@ -639,6 +638,24 @@ class WatchHandle:
                 for e, g in zip(self.train_entries, grads, strict=True)
             ],
         )
+
+    def _clip_factor(self) -> float | None:
+        """Resolve the step's clip factor (once; a device→host transfer of 2 × n norms)
+        and remember it for the metric; None when the change was not one factor."""
+        check = self._clip_check
+        if check is None:
+            return 1.0
+        if isinstance(check, tuple):
+            pairs, amp = check
+            host = None if pairs is None else pairs.cpu().numpy()
+            factor = C.clip_factor(host, amp)
+            self._clip_check = [factor]  # resolved
+            if factor is None:
+                self._warn_not_uniform(self.step_index)
+            elif factor != 1.0:
+                self._clip_seen = True
+            return factor
+        return check[0]
 
     def _warn_not_uniform(self, t: int) -> None:
         if self._clip_warned:
@@ -762,6 +779,11 @@ class WatchHandle:
         self._act_raw = {}
         t = self.step_index
         blocks = [(k, names, m, h) for k, parts in pending.items() for names, m, h in parts]
+        if self._clip_check is not None:
+            factor = self._clip_factor()
+            self._clip_check = None
+            if factor is not None and (self._clip_seen or self.clipping) and self._rank == 0:
+                self.rec.log(t, {"grad/clip_factor": factor})
         if blocks:
             mats = [m for _, _, m, _ in blocks]
             if len({m.device for m in mats}) > 1:
