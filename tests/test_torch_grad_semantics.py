@@ -153,10 +153,12 @@ def test_start_step_follows_the_recorder(tmp_path) -> None:
         with pytest.raises(RecordError, match=r"start step 0 .* at step 3"):
             tt.watch(m, rec, optimizer=opt, start_step=0)
         train(rec, 2)
+        assert rec.next_step == 5  # after what this recorder recorded
+        train(rec, 1)  # a second watch of the same recorder continues there
     with Recorder(url, resume_step=2) as rec:
         assert rec.next_step == 2
         train(rec, 1, start_step=2)  # agrees: accepted
-    assert open_run(url).steps.tolist() == [0, 1, 2]
+    assert open_run(url).steps.tolist() == [0, 1, 2]  # resume_step=2 replaced 2..5
 
 
 def test_kinds_named_are_recorded_whatever_the_policy(tmp_path) -> None:

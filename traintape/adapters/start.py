@@ -20,8 +20,9 @@ def start_step(recorder: Recorder, explicit: int | None, where: str) -> int:
 
     Args:
         explicit: the start step the user (or a training-loop callback) gave, or None.
-    Returns ``recorder.next_step`` when ``explicit`` is None; else ``explicit``, which
-    must equal it when the recorder continues a run (``next_step > 0``). A new run
+    Returns ``recorder.next_step`` (read now, when the adapter is created) when
+    ``explicit`` is None; else ``explicit``, which must equal it when the recorder
+    continues a run or has recorded steps (``next_step > 0``). A new run
     (``next_step == 0``: nothing recorded before) may start anywhere, e.g. when
     recording is attached to a training already at step 1000.
     Raises :class:`RecordError` naming both steps otherwise.
@@ -35,8 +36,8 @@ def start_step(recorder: Recorder, explicit: int | None, where: str) -> int:
     if nxt > 0 and explicit != nxt:
         raise RecordError(
             f"{where}: start step {explicit} disagrees with the recorder, which continues "
-            f"{recorder.url} at step {nxt} (Recorder(..., resume_step=...) or the last "
-            f"committed step + 1); leave the start step out to start at {nxt}, or open the "
-            f"recorder with resume_step={explicit}"
+            f"{recorder.url} at step {nxt} (its resume_step, or after the last step recorded); "
+            f"leave the start step out to start at {nxt}, or open the recorder with "
+            f"resume_step={explicit}"
         )
     return explicit

@@ -338,10 +338,15 @@ class Recorder:
 
     @property
     def next_step(self) -> int:
-        """The optimizer step recording continues at (read-only; fixed when opened): 0
-        for a new run, ``N`` for a recorder opened with ``resume_step=N``, else the last
-        committed step + 1 (appending). Every adapter's step counter starts here."""
-        return self._first_step if self._resume_step is None else self._resume_step
+        """The optimizer step the next record carries by default (read-only): 0 for a new
+        run, ``N`` for a recorder opened with ``resume_step=N``, the last committed step
+        + 1 when appending — and, once this recorder has recorded (or opened) a step,
+        the step after it. Every adapter's step counter starts here when created."""
+        with self._lock:
+            row, last = self._rows.row, self._rows.last_sealed
+        start = self._first_step if self._resume_step is None else self._resume_step
+        seen = [s + 1 for s in (None if row is None else row.step, last) if s is not None]
+        return max([start, *seen])
 
     @property
     def enabled(self) -> bool:
