@@ -12,18 +12,21 @@ re-queued once so it runs after the callbacks DDP/FSDP queue during the backward
 the gradients are reduced then). The last backward pass of a step leaves the gradient
 accumulated over its micro-batches.
 
-At the optimizer step, :func:`norm_pairs` takes every gradient's L2 norm again (one
-``_foreach_norm``: in-place version counters would be cheaper but miss changes made
-through ``.data`` and, on FSDP2's DTensor gradients, ``clip_grad_norm_`` itself) and
-:func:`clip_factor` compares them with the norms at the end of backward, on the host
-with the step's one transfer: one common ratio ``r`` is a uniform rescale, ``r = c / S``, with
-``S`` the loss scale of a ``GradScaler`` stepping this optimizer (found on the call
+At the optimizer step, if every gradient is the same tensor at the same in-place
+version counter as at the end of backward (:func:`versions`), nothing changed and
+nothing more is read. Otherwise — and on full-capture steps, whose ``grad`` snapshots
+are read from ``p.grad`` then, and for DTensor gradients, whose counters FSDP2's
+``clip_grad_norm_`` does not bump — :func:`norm_pairs` takes every gradient's L2 norm
+again (one ``_foreach_norm``) and :func:`clip_factor` compares them with the norms at
+the end of backward, on the host with the step's one transfer: one common ratio ``r`` is
+a uniform rescale, ``r = c / S``, with ``S`` the loss scale of a ``GradScaler`` stepping this optimizer (found on the call
 stack: ``GradScaler.step`` calls ``optimizer.step``; 1 without one). The recorded
 ``grad`` is then the end-of-backward statistics divided by ``S`` (exact: a power of two)
 and ``c`` is logged as the run metric ``grad/clip_factor``. A change that is not one
 common factor (``clip_grad_value_``, per-parameter clipping, edited gradients) leaves
 ``grad`` as backward produced it (divided by ``S``) and logs no factor, with a warning
-once per watch.
+once per watch. A change made through ``p.grad.data`` (which has a counter of its own)
+is seen on full-capture steps only; ``grad``'s statistics are the backward's either way.
 """
 
 from __future__ import annotations
@@ -50,21 +53,49 @@ def queue_end_of_backward(fn: Any) -> None:
     engine.queue_callback(lambda: engine.queue_callback(fn))
 
 
-def grad_scaler_in_stack() -> Any:
-    """The ``torch.amp.GradScaler`` whose ``step`` is calling the optimizer, if any (its
-    frame is on the stack of the optimizer's step hooks: Accelerate's and Lightning's
-    optimizer steps go through it too)."""
+def versions(tensors: list[torch.Tensor]) -> tuple[tuple[int, int] | None, ...] | None:
+    """Identity and in-place version counter of each tensor's ``.grad`` (None: no grad):
+    unchanged means no gradient was replaced or changed in place through the tensor
+    itself. None when that cannot be told: a DTensor gradient (FSDP2's
+    ``clip_grad_norm_`` changes its local tensor without bumping a counter)."""
+    out: list[tuple[int, int] | None] = []
+    for p in tensors:
+        g = p.grad
+        if g is None:
+            out.append(None)
+        elif type(g) is not torch.Tensor and hasattr(g, "_local_tensor"):
+            return None
+        else:
+            out.append((id(g), int(g._version)))
+    return tuple(out)
+
+
+def _scaler_step_codes() -> tuple[Any, ...]:
+    """Code objects of ``GradScaler``'s methods that call ``optimizer.step``."""
     try:
         from torch.amp import GradScaler
     except ImportError:  # pragma: no cover
-        return None
+        return ()
+    names = ("step", "_maybe_opt_step")
+    return tuple(getattr(GradScaler, n).__code__ for n in names if hasattr(GradScaler, n))
+
+
+_SCALER_CODES: tuple[Any, ...] | None = None
+
+
+def grad_scaler_in_stack() -> Any:
+    """The ``torch.amp.GradScaler`` whose ``step`` is calling the optimizer, if any (its
+    frame is on the stack of the optimizer's step hooks: Accelerate's and Lightning's
+    optimizer steps go through it too). Frames are matched by code object: cheap."""
+    global _SCALER_CODES
+    if _SCALER_CODES is None:
+        _SCALER_CODES = _scaler_step_codes()
     f: Any = sys._getframe(1)
     for _ in range(64):
         if f is None:
             return None
-        obj = f.f_locals.get("self")
-        if isinstance(obj, GradScaler):
-            return obj
+        if f.f_code in _SCALER_CODES:
+            return f.f_locals.get("self")
         f = f.f_back
     return None
 
@@ -96,8 +127,9 @@ def norm_pairs(before: torch.Tensor, now: list[torch.Tensor | None]) -> torch.Te
         return None
     xs = [now[i] for i in idx]
     norms = torch._foreach_norm(xs, 2, dtype=torch.float32)  # type: ignore[arg-type]
-    a = torch.stack([n.to(before.device, torch.float64) for n in norms])
-    return torch.stack([a, raw_l2(before)[idx]])
+    a = torch.stack(norms).to(before.device, torch.float64)
+    b = raw_l2(before)
+    return torch.stack([a, b if len(idx) == len(now) else b[idx]])
 
 
 def loss_scale() -> float:
@@ -112,17 +144,19 @@ def loss_scale() -> float:
 def clip_factor(pairs: np.ndarray | None, amp: float) -> float | None:
     """The common factor ``c`` the gradients were scaled by between the end of backward
     and the optimizer step beyond AMP's ``1/amp`` (1.0: unchanged; :func:`norm_pairs`
-    on the host), or None when the change was not one common factor."""
+    on the host), or None when the change was not one common factor. ``c`` is the ratio
+    of the global norms, ``‖now‖ / ‖before‖`` (exactly the factor of a uniform rescale);
+    every tensor's own ratio must agree with it within :data:`RATIO_RTOL`."""
     if pairs is None:
         return 1.0
-    ok = np.isfinite(pairs).all(axis=0) & (pairs[1] > 0)
-    if not ok.any():
+    now, before = pairs[0].tolist(), pairs[1].tolist()  # a few floats: no numpy per step
+    ok = [(a, b) for a, b in zip(now, before, strict=True) if b > 0 and math.isfinite(a + b)]
+    if not ok:
         return 1.0
-    r = pairs[0, ok] / pairs[1, ok]
-    med = float(np.median(r))
-    if not np.all(np.abs(r - med) <= RATIO_RTOL * abs(med)):
+    r = math.sqrt(sum(a * a for a, _ in ok) / sum(b * b for _, b in ok))
+    if any(abs(a - r * b) > RATIO_RTOL * r * b for a, b in ok):
         return None
-    c = med * amp
+    c = r * amp
     if abs(c - 1.0) <= 1e-6:
         return 1.0
     return c if math.isfinite(c) else None

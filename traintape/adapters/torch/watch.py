@@ -223,7 +223,7 @@ class WatchHandle:
         self._clip_seen = False  # a rescale between backward and step was seen
         self._clip_warned = False
         self._grad_on = False  # grad recorded at the current step
-        self._bwd: tuple[torch.Tensor, list[bool]] | None = None
+        self._bwd: tuple[torch.Tensor, list[bool], Any] | None = None
         self._clip_check: Any = None  # (norm pairs, loss scale), then [factor]
         self._bwd_queued = False
         self._bwd_failed = False
@@ -356,7 +356,7 @@ class WatchHandle:
             tensors = [(e, e.tensor().grad) for e in self.train_entries]
             shards = [self._shard(e, g) for e, g in tensors]
             raw = S.raw_stats([x for x, _, _ in shards], [m for _, _, m in shards])
-            self._bwd = (raw, [h for _, h, _ in shards])
+            self._bwd = (raw, [h for _, h, _ in shards], C.versions(self._unique_train_tensors()))
         except Exception as e:  # capture must not fail the backward pass
             self._bwd = None
             if not self._bwd_failed:
@@ -619,14 +619,18 @@ class WatchHandle:
         if bwd is None:
             self._add_tensors(Kind.GRAD, names, list(zip(self.train_entries, grads, strict=True)))
         else:
-            raw, here = bwd
-            amp = C.loss_scale()
-            if amp != 1.0:
-                raw = C.scale_raw(raw, 1.0 / amp)
-            now = [self._shard(e, g)[0] for e, g in zip(self.train_entries, grads, strict=True)]
-            self._clip_check = (C.norm_pairs(bwd[0], now), amp)
+            raw, here, before = bwd
+            full = self.rec.policy.snapshots(t, Kind.GRAD)
+            if before is None or full or before != C.versions(self._unique_train_tensors()):
+                amp = C.loss_scale()
+                if amp != 1.0:
+                    raw = C.scale_raw(raw, 1.0 / amp)
+                now = [self._shard(e, g)[0] for e, g in zip(self.train_entries, grads, strict=True)]
+                self._clip_check = (C.norm_pairs(bwd[0], now), amp)
+            else:  # the same gradient tensors, never changed in place: not rescaled
+                self._clip_check = [1.0]
             self._add(Kind.GRAD, names, raw, here)
-            if self.rec.policy.snapshots(t, Kind.GRAD):
+            if full:
                 factor = self._clip_factor()
                 if factor not in (None, 1.0):
                     with torch.no_grad():  # the snapshot before clipping (within rounding)
