@@ -17,10 +17,11 @@ version counter as at the end of backward (:func:`versions`), nothing changed an
 nothing more is read. Otherwise — and on full-capture steps, whose ``grad`` snapshots
 are read from ``p.grad`` then, and for DTensor gradients, whose counters FSDP2's
 ``clip_grad_norm_`` does not bump — :func:`norm_pairs` takes every gradient's L2 norm
-again (one ``_foreach_norm``) and :func:`clip_factor` compares them with the norms at
-the end of backward, on the host with the step's one transfer: one common ratio ``r`` is
-a uniform rescale, ``r = c / S``, with ``S`` the loss scale of a ``GradScaler`` stepping this optimizer (found on the call
-stack: ``GradScaler.step`` calls ``optimizer.step``; 1 without one). The recorded
+again (one ``_foreach_norm``, float64 accumulation) and :func:`clip_factor` compares
+them with the norms at the end of backward, on the host with the step's one transfer:
+one common ratio ``r`` is a uniform rescale, ``r = c / S``, with ``S`` the loss scale
+of a ``GradScaler`` stepping this optimizer (found on the call stack:
+``GradScaler.step`` calls ``optimizer.step``; 1 without one). The recorded
 ``grad`` is then the end-of-backward statistics divided by ``S`` (exact: a power of two)
 and ``c`` is logged as the run metric ``grad/clip_factor``. A change that is not one
 common factor (``clip_grad_value_``, per-parameter clipping, edited gradients) leaves
@@ -126,7 +127,8 @@ def norm_pairs(before: torch.Tensor, now: list[torch.Tensor | None]) -> torch.Te
     if not idx:
         return None
     xs = [now[i] for i in idx]
-    norms = torch._foreach_norm(xs, 2, dtype=torch.float32)  # type: ignore[arg-type]
+    # float64 accumulation: a float32 one drifts ~1e-4 over millions of elements
+    norms = torch._foreach_norm(xs, 2, dtype=torch.float64)  # type: ignore[arg-type]
     a = torch.stack(norms).to(before.device, torch.float64)
     b = raw_l2(before)
     return torch.stack([a, b if len(idx) == len(now) else b[idx]])
