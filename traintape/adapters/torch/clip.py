@@ -17,7 +17,7 @@ version counter as at the end of backward (:func:`versions`), nothing changed an
 nothing more is read. Otherwise — and on full-capture steps, whose ``grad`` snapshots
 are read from ``p.grad`` then, and for DTensor gradients, whose counters FSDP2's
 ``clip_grad_norm_`` does not bump — :func:`norm_pairs` takes every gradient's L2 norm
-again (one ``_foreach_norm``, float64 accumulation) and :func:`clip_factor` compares
+again (one pass of the same reduction as at the end of backward) and :func:`clip_factor` compares
 them with the norms at the end of backward, on the host with the step's one transfer:
 one common ratio ``r`` is a uniform rescale, ``r = c / S``, with ``S`` the loss scale
 of a ``GradScaler`` stepping this optimizer (found on the call stack:
@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from traintape.adapters.torch.stats import raw_stats
 from traintape.schema.stats import RAW_INDEX
 
 RATIO_RTOL = 1e-4
@@ -120,16 +121,16 @@ def scale_raw(raw: torch.Tensor, f: float) -> torch.Tensor:
 
 def norm_pairs(before: torch.Tensor, now: list[torch.Tensor | None]) -> torch.Tensor | None:
     """``[2, k]`` float64 on the device: the L2 norms of the parts ``now`` (the
-    gradients at the optimizer step, None for no gradient; one ``_foreach_norm``) and
+    gradients at the optimizer step, None for no gradient; one raw-stats pass) and
     of the same tensors at the end of backward (from the raw rows ``before``), for the
     k parts with elements; None when there are none. Nothing is synchronised."""
     idx = [i for i, x in enumerate(now) if x is not None and x.numel()]
     if not idx:
         return None
     xs = [now[i] for i in idx]
-    # float64 accumulation: a float32 one drifts ~1e-4 over millions of elements
-    norms = torch._foreach_norm(xs, 2, dtype=torch.float64)  # type: ignore[arg-type]
-    a = torch.stack(norms).to(before.device, torch.float64)
+    # the same reduction as at the end of backward (float64 sums; the C kernel on CPU):
+    # a float32 norm drifts ~1e-4 over millions of elements, a float64 one costs a copy
+    a = raw_l2(raw_stats(xs)).to(before.device)
     b = raw_l2(before)
     return torch.stack([a, b if len(idx) == len(now) else b[idx]])
 
