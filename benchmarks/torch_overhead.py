@@ -8,6 +8,9 @@ against the baseline of the same round):
 - ``traintape``: the same step under ``traintape.torch.watch`` recording ``param`` and
   ``grad`` stat vectors every step (``CapturePolicy(every=1, kinds=(param, grad))``,
   in-memory store);
+- ``tt_grad_at_step``: the same, with ``grad`` read from ``p.grad`` at the optimizer
+  step as before the pre-clip capture (no end-of-backward statistics, no norm check):
+  the cost of the pre-clip ``grad`` capture is ``traintape`` − ``tt_grad_at_step``;
 - ``wandb``: ``wandb.watch(model, log="all", log_freq=1)`` + ``wandb.log`` per step,
   ``WANDB_MODE=offline``;
 - ``tensorboard``: ``SummaryWriter.add_histogram`` for every parameter and gradient
@@ -31,8 +34,11 @@ own ``Trainer.train()``, each step timed from ``on_step_begin`` to ``on_step_end
   ``WANDB_WATCH=all`` (WandbCallback's ``wandb.watch`` of params and grads, offline),
   ``logging_steps=1``.
 
+``--clip``: every variant's step calls ``clip_grad_norm_(params, 1e-3)`` (clipping at
+every step: the adapter measures the clip factor too).
+
 Usage: python benchmarks/torch_overhead.py [--batch 512] [--rounds 12] [--steps 3]
-[--threads 2] [--quick] [--no-peers] [--hf]
+[--threads 2] [--quick] [--no-peers] [--hf] [--clip]
 """
 
 from __future__ import annotations
@@ -74,6 +80,7 @@ def main() -> None:
     add_common_args(ap, rounds=12, steps=3)
     ap.add_argument("--no-peers", action="store_true", help="skip wandb / tensorboard")
     ap.add_argument("--hf", action="store_true", help="the transformers.Trainer comparison")
+    ap.add_argument("--clip", action="store_true", help="clip_grad_norm_ in every step")
     args = ap.parse_args()
     if args.hf:
         hf_trainer_main(args)
@@ -96,6 +103,8 @@ def main() -> None:
         opt.zero_grad(set_to_none=False)
         loss = loss_fn(model(x), y)
         loss.backward()
+        if args.clip:
+            torch.nn.utils.clip_grad_norm_(params, 1e-3)
         opt.step()
         return float(loss.detach())
 
@@ -148,6 +157,13 @@ def main() -> None:
                 t.timed("traintape", step)
                 rec_step[0] += 1
 
+    def grad_at_step_variant(t: Timings) -> None:
+        with tt.watch(model, rec, optimizer=opt, start_step=rec_step[0], activations=False) as h:
+            h._bwd_queued = True  # never queue the end-of-backward capture: read at the step
+            for _ in range(args.steps):
+                t.timed("tt_grad_at_step", step)
+                rec_step[0] += 1
+
     def floor_sum() -> float:
         with torch.no_grad():
             return sum(float(t.sum()) for t in params) + sum(float(p.grad.sum()) for p in params)
@@ -160,7 +176,8 @@ def main() -> None:
 
     step()  # warm-up (allocates Adam state and grads)
     S.stat_vectors(params)  # compiles/loads the fused kernel
-    variants = {"baseline": baseline_variant, "traintape": traintape_variant, **peers}
+    variants = {"baseline": baseline_variant, "traintape": traintape_variant,
+                "tt_grad_at_step": grad_at_step_variant, **peers}  # fmt: skip
     t = interleave(variants, args.rounds)
     rec.close()
 
@@ -173,6 +190,9 @@ def main() -> None:
     print(overhead_line("traintape stats every step, in-step", over, floor, base))
     print(overhead_line("traintape stats call alone (params+grads)", direct, floor, base)
           + f"; {t.ratio('stats_direct', 'floor'):.2f}x paired")  # fmt: skip
+    pre = t.delta("traintape", "tt_grad_at_step")[0]
+    print(f"pre-clip grad capture (traintape - tt_grad_at_step, paired): {pre:+.2f} ms/step "
+          f"= {pre / floor:+.2f}x floor, {100 * pre / base:+.2f}% of step")  # fmt: skip
     for k in peers:
         d = t.delta(k, "baseline")[0]
         rel = f", {d / over:.0f}x traintape's" if over > 0 else ""

@@ -22,6 +22,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=2, help="framework workers run at once")
     p.add_argument("--json", action="store_true", help="print the cells as JSON")
     p.add_argument(
+        "--no-semantics",
+        action="store_true",
+        help="skip the kind-semantics case (conformance/semantics.py: grad pre-clip, "
+        "update below half an ulp)",
+    )
+    p.add_argument(
         "--allow-known",
         action="store_true",
         help="exit 0 when every differing cell is a known gap (conformance/known.py)",
@@ -35,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     cells = run_matrix(tuple(a.frameworks), tuple(a.dtypes), tuple(a.models), a.out, a.jobs,
                        adam=not a.no_adam)  # fmt: skip
     require_cells(cells, tuple(a.frameworks))
+    cells += _semantics_cells(a)
     if a.json:
         print(json.dumps([asdict(c) | {"verdict": c.verdict} for c in cells], indent=2))
     else:
@@ -50,6 +57,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     ok = all(c.identical or allowed(c) for c in cells)
     return 0 if ok else 1
+
+
+def _semantics_cells(a: argparse.Namespace) -> list:
+    """The kind-semantics case's cells (:mod:`conformance.semantics`), float32 only."""
+    from conformance import semantics
+
+    fws = tuple(f for f in a.frameworks if f in semantics.FRAMEWORKS)
+    if a.no_semantics or len(fws) < 2 or "float32" not in a.dtypes or "mlp" not in a.models:
+        return []
+    root = None if a.out is None else f"{a.out}/semantics"
+    return semantics.run_case(root, fws)
 
 
 if __name__ == "__main__":

@@ -69,12 +69,17 @@ def test_two_ranks_one_store_equal_to_single_process(tmp_path, reference, mode):
         assert shards == ["0", "1"]
         progress = json.loads(Path(url, ".traintape/progress/1.json").read_text())
         assert progress["snapshots"]["param"] == 2  # rank 1 confirmed its blocks
-    # the recorded global gradient norm is clip_grad_norm_'s total norm, on every rank
+    # the recorded global gradient norm is clip_grad_norm_'s (pre-clip) total norm, on
+    # every rank, and grad/clip_factor the factor it applied (max norm 0.05)
     grad = run.stats_array(Kind.GRAD)[:, :, run.manifest.stat_names.index("l2")]
     total = np.sqrt((grad**2).sum(axis=1))
     for r in range(2):
         clip = json.loads(Path(f"{url}.clip{r}.json").read_text())
         np.testing.assert_allclose(total, clip, rtol=1e-5)
+    factor = run.metrics()["grad/clip_factor"].to_numpy()
+    want = np.minimum(1.0, 0.05 / (np.asarray(clip) + 1e-6))
+    assert (want < 1).all()
+    np.testing.assert_allclose(factor, want, rtol=1e-5)
 
 
 def test_a_rank_killed_mid_run_leaves_a_valid_store(tmp_path):

@@ -2,7 +2,9 @@
 
 References are Trainer's own numbers: ``p.grad`` read in ``on_pre_optimizer_step``
 (the gradient ``optimizer.step()`` applies, after accumulation and clipping) and the
-``loss``/``learning_rate``/``grad_norm`` Trainer logs in ``state.log_history``.
+``loss``/``learning_rate``/``grad_norm`` Trainer logs in ``state.log_history``. The
+recorded ``grad`` is pre-clip (docs/store-format.md): ``p.grad`` there divided by the
+factor Trainer's clipping applied (from its own ``grad_norm``).
 """
 
 from __future__ import annotations
@@ -78,15 +80,18 @@ def _train(out: str, max_grad_norm: float | None) -> tuple[traintape.Run, _GradR
     return traintape.open_run(out), ref, trainer.state.log_history
 
 
-def _check_grads(run: traintape.Run, ref: _GradRef) -> None:
+def _check_grads(run: traintape.Run, ref: _GradRef, factors: list[float] | None = None) -> None:
+    """Recorded per-tensor grad l2 == ``p.grad``'s at the optimizer step / that step's
+    clip factor (1 without clipping)."""
     assert run.steps.tolist() == list(range(STEPS))
     assert len(ref.rows) == STEPS
     df = run.stats("grad")
     for t, row in enumerate(ref.rows):
         got = df[df.step == t].set_index("tensor")["l2"]
         assert set(got.index) == set(row)
+        c = 1.0 if factors is None else factors[t]
         for name, want in row.items():
-            np.testing.assert_allclose(got[name], want, rtol=1e-4, atol=1e-8, err_msg=name)
+            np.testing.assert_allclose(got[name], want / c, rtol=1e-4, atol=1e-8, err_msg=name)
 
 
 def test_accumulated_grads_and_aligned_metrics(tmp_path) -> None:
@@ -100,22 +105,30 @@ def test_accumulated_grads_and_aligned_metrics(tmp_path) -> None:
         assert m.loc[row, "train/loss"] == pytest.approx(h["loss"], rel=1e-6)
         assert m.loc[row, "train/learning_rate"] == pytest.approx(h["learning_rate"], rel=1e-6)
     assert run.rows == STEPS  # no extra row from logging at state.global_step
+    assert "grad/clip_factor" not in m.columns  # max_grad_norm=0: no clipping
 
 
-def test_clipped_grad_is_recorded_preclip_norm_is_the_metric(tmp_path) -> None:
+def test_grad_is_pre_clip_and_the_clip_factor_is_logged(tmp_path) -> None:
+    """max_grad_norm clips every step: recorded grad is the pre-clip gradient (its global
+    l2 is Trainer's own grad_norm), grad/clip_factor is the factor Trainer applied."""
     max_norm = 0.05
     run, ref, history = _train(str(tmp_path / "run"), max_norm)
-    _check_grads(run, ref)  # the clipped gradient the optimizer applied
     m = run.metrics()
     df = run.stats("grad")
-    logged = [h for h in history if "grad_norm" in h]
+    logged = sorted((h for h in history if "grad_norm" in h), key=lambda h: h["step"])
     assert len(logged) == STEPS
+    factors = []
     for h in logged:
         t = h["step"] - 1
         pre = float(h["grad_norm"])
         assert m.loc[t, "train/grad_norm"] == pytest.approx(pre, rel=1e-6)
         total = float(np.sqrt((df[df.step == t]["l2"] ** 2).sum()))
-        np.testing.assert_allclose(total, min(1.0, max_norm / pre) * pre, rtol=1e-3)
+        np.testing.assert_allclose(total, pre, rtol=1e-6)  # pre-clip
+        factor = min(1.0, max_norm / (pre + 1e-6))  # what clip_grad_norm_ multiplies by
+        assert factor < 1.0
+        np.testing.assert_allclose(m.loc[t, "grad/clip_factor"], factor, rtol=1e-5)
+        factors.append(factor)
+    _check_grads(run, ref, factors)
 
 
 def test_deepspeed_is_refused(tmp_path) -> None:

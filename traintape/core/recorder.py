@@ -259,6 +259,7 @@ class Recorder:
         self.policy = m.policy
         self._tensors = TensorRegistry(m)
         self._rows = RowState(self.url, m.commit.last_step)
+        self._first_step = 0 if m.commit.last_step is None else m.commit.last_step + 1
         self._nonfinite = NonfiniteEvents(m.events)
         self._closed = False
         self._sync_hooks = []
@@ -352,6 +353,18 @@ class Recorder:
         changing it changes nothing in the recorder."""
         with self._lock:
             return self._manifest.model_copy(deep=True)
+
+    @property
+    def next_step(self) -> int:
+        """The optimizer step the next record carries by default (read-only): 0 for a new
+        run, ``N`` for a recorder opened with ``resume_step=N``, the last committed step
+        + 1 when appending — and, once this recorder has recorded (or opened) a step,
+        the step after it. Every adapter's step counter starts here when created."""
+        with self._lock:
+            row, last = self._rows.row, self._rows.last_sealed
+        start = self._first_step if self._resume_step is None else self._resume_step
+        seen = [s + 1 for s in (None if row is None else row.step, last) if s is not None]
+        return max([start, *seen])
 
     @property
     def enabled(self) -> bool:

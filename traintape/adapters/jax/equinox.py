@@ -410,7 +410,7 @@ def filter_value_and_grad(
     has_aux: bool = False,
     name_map: NameMap = None,
     step_kwarg: str | None = None,
-    start_step: int = 0,
+    start_step: int | None = None,
     layer_kinds: LayerKinds = None,
     activations: bool = True,
 ) -> Callable[..., Any]:
@@ -440,12 +440,14 @@ def filter_value_and_grad(
     """
     import equinox as eqx
 
+    from traintape.adapters.start import start_step as first_step
+
     from .capture import StepCounter
     from .flax import Activations
     from .grad import _record, _set_producer
 
     _set_producer(recorder)
-    counter = StepCounter(start_step)
+    counter = StepCounter(first_step(recorder, start_step, "traintape.jax.filter_value_and_grad"))
     sink = Activations(name_map, layer_kinds)
     want_acts = activations and recorder.policy.records_kind(Kind.ACTIVATION)
 

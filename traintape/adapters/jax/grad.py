@@ -3,7 +3,8 @@
 Step accounting (docs/store-format.md: step t counts completed optimizer steps from 0):
 
 - **automatic** (default): every *executed* call is one step, numbered on the host in
-  callback order from ``start_step`` (also per iteration inside ``lax.scan``/``fori_loop``:
+  callback order from ``start_step`` (default: the recorder's ``next_step``, so a
+  recorder opened with ``resume_step=N`` continues at N) (also per iteration inside ``lax.scan``/``fori_loop``:
   one executed call = one step). On full-capture policies the step is fetched from the
   host with one tiny ordered callback so the device can decide whether to ship tensors.
 - **explicit**: ``step_kwarg="step"`` makes the wrapped function take ``step=`` (a Python
@@ -24,6 +25,7 @@ from typing import Any, cast
 
 import jax
 
+from traintape.adapters.start import start_step as first_step
 from traintape.core import Recorder
 from traintape.core.naming import LayerKinds, NameMap, join
 from traintape.schema import Kind
@@ -141,7 +143,7 @@ def value_and_grad(
     recorder: Recorder,
     name_map: NameMap = None,
     step_kwarg: str | None = None,
-    start_step: int = 0,
+    start_step: int | None = None,
     activations: bool = True,
     probe: Mapping[int | str, Any] | None = None,
     layer_kinds: LayerKinds = None,
@@ -168,7 +170,10 @@ def value_and_grad(
         name_map: mapping or callable from default canonical names to wanted ones.
         step_kwarg: name of an extra keyword argument carrying the optimizer step
             (explicit mode, removed before ``fun`` is called); ``None``: automatic mode.
-        start_step: first step number of the automatic mode (e.g. after resuming).
+        start_step: first step number of the automatic mode; None (default): the
+            recorder's :attr:`~traintape.Recorder.next_step` (0 for a new run, ``N``
+            after ``Recorder(url, resume_step=N)``). A value that disagrees with a
+            recorder continuing a run is a ``RecordError`` naming both steps.
         activations: record Flax Linen activations (and BatchNorm ``batch_stats`` as
             ``param`` ``running_mean``/``running_var``, read before the call) when the
             policy asks for them.
@@ -183,7 +188,7 @@ def value_and_grad(
             are recorded as stats only (a training batch changes every step).
     """
     _set_producer(recorder)
-    counter = StepCounter(start_step)
+    counter = StepCounter(first_step(recorder, start_step, "traintape.jax.value_and_grad"))
     sink = Activations(name_map, layer_kinds)
     inner = _wrap_for_activations(fun, has_aux, sink, linen=activations)
     vg = jax.value_and_grad(
@@ -224,7 +229,7 @@ def nnx_value_and_grad(
     recorder: Recorder,
     name_map: NameMap = None,
     step_kwarg: str | None = None,
-    start_step: int = 0,
+    start_step: int | None = None,
     activations: bool = True,
     probe: Mapping[int | str, Any] | None = None,
     layer_kinds: LayerKinds = None,
@@ -252,7 +257,7 @@ def nnx_value_and_grad(
     from .names import default_segments
 
     _set_producer(recorder)
-    counter = StepCounter(start_step)
+    counter = StepCounter(first_step(recorder, start_step, "traintape.jax.nnx_value_and_grad"))
     sink = Activations(name_map, layer_kinds)
     want_acts = activations and recorder.policy.records_kind(Kind.ACTIVATION)
 

@@ -2,12 +2,17 @@
 
 ``watch(tx, recorder)`` behaves exactly like ``tx`` (same updates, same inner state, kept
 in ``WatchState.inner``) and records at optimizer step ``t`` (``WatchState.count``, on the
-device, so full-capture steps are chosen without a host round trip):
+device, so full-capture steps are chosen without a host round trip; it starts at the
+recorder's ``next_step``, so a recorder opened with ``resume_step=N`` continues at N):
 
-- ``update``: the transformed updates, which ``optax.apply_updates`` adds to the params,
-  i.e. θ_{t+1} − θ_t (exactly, up to the float rounding of that addition);
-- optionally ``grad`` (the updates ``tx`` receives, i.e. the gradient after any
-  accumulation — wrap it in ``optax.MultiSteps`` to get the accumulated mean) and
+- ``update``: θ_{t+1} − θ_t *as applied* (docs/store-format.md): ``(θ + u) − θ``
+  computed in each parameter's storage dtype inside the step, ``u`` the transformed
+  updates — exactly what ``optax.apply_updates`` changes the parameter by: 0 where ``u``
+  is below half an ulp of θ. It needs θ_t, i.e. ``params`` passed to ``update``
+  (``tx.update(grads, state, params)``); called without them, ``update`` is not
+  recorded (with a warning once; an error when ``update`` was asked for explicitly);
+- optionally ``grad`` (the updates ``tx`` receives: the gradient *before* any clipping
+  or other transform inside ``tx``, after accumulation — see ``accumulate``) and
   ``param`` (θ_t, needs ``params`` passed to ``update``);
 - ``opt_state`` (when asked, or by default when the recorder's policy records it): every
   leaf of the new inner state shaped like a parameter (Adam/AdamW ``mu``/``nu``, SGD
@@ -15,10 +20,14 @@ device, so full-capture steps are chosen without a host round trip):
   ``dense/kernel/mu`` — the names the torch adapter gives the same optimizers' state.
   State that is not parameter-shaped (counts, Adafactor's factored ``v_row``/``v_col``)
   is not recorded.
+
+Kinds named in ``kinds=`` (or ``opt_state=True``) are recorded even when the recorder's
+policy leaves them out (the explicit request wins; :mod:`traintape.adapters.kinds`).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -26,6 +35,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from traintape.adapters.kinds import request_kinds
+from traintape.adapters.start import start_step as first_step
 from traintape.core import Recorder
 from traintape.core.naming import NameMap, canonical_name
 from traintape.schema import Kind
@@ -77,7 +88,7 @@ def watch(
     kinds: Sequence[Kind | str] | None = None,
     opt_state: bool | None = None,
     name_map: NameMap = None,
-    start_step: int = 0,
+    start_step: int | None = None,
     accumulate: int = 1,
 ) -> optax.GradientTransformation:
     """Wrap ``tx`` so that each ``update`` records the kinds asked for at its step.
@@ -86,11 +97,15 @@ def watch(
         tx: any optax transformation.
         kinds: among ``update``, ``grad``, ``param``, ``opt_state`` (see the module
             docstring); None: ``update``, plus ``opt_state`` when the recorder's policy
-            records that kind.
-        opt_state: shorthand for adding ``opt_state`` to ``kinds`` (True) or leaving it
-            out (False).
+            records that kind. Kinds named here are recorded even when the policy
+            leaves them out.
+        opt_state: shorthand for adding ``opt_state`` to ``kinds`` (True: recorded
+            whatever the policy says) or leaving it out (False).
         name_map: the same name map as given to ``value_and_grad`` (names must agree).
-        start_step: the step the first ``update`` records (resume).
+        start_step: the step the first ``update`` records; None (default): the
+            recorder's :attr:`~traintape.Recorder.next_step`. Read by ``init`` (a state
+            restored from a checkpoint carries its own ``count``); one that disagrees
+            with a recorder continuing a run is a ``RecordError`` naming both steps.
         accumulate: gradient accumulation, k calls per optimizer step (like
             ``optax.MultiSteps``, which cannot be watched from inside because it runs
             its inner update on every call): ``tx`` is applied on every k-th call to
@@ -102,22 +117,42 @@ def watch(
         raise ValueError(f"accumulate must be >= 1, got {accumulate}")
     if kinds is None:
         want = {Kind.UPDATE}
+        explicit: set[Kind] = set()
         if opt_state is None and recorder.policy.records_kind(Kind.OPT_STATE):
             want.add(Kind.OPT_STATE)
     else:
         want = {Kind(k) for k in kinds}
+        explicit = set(want)
     if opt_state is not None:
         want = want | {Kind.OPT_STATE} if opt_state else want - {Kind.OPT_STATE}
+        explicit = explicit | {Kind.OPT_STATE} if opt_state else explicit - {Kind.OPT_STATE}
     bad = want - {Kind.UPDATE, Kind.GRAD, Kind.PARAM, Kind.OPT_STATE}
     if bad:
         raise ValueError(
             f"watch records update, grad, param and opt_state, not {sorted(k.value for k in bad)}"
         )
+    request_kinds(recorder, explicit)  # asked for by name: recorded whatever the policy
+    warned: list[bool] = []
 
     def init(params: Any) -> WatchState:
         acc = jax.tree_util.tree_map(jnp.zeros_like, params) if accumulate > 1 else ()
+        first = first_step(recorder, start_step, "traintape.jax.watch")
         return WatchState(
-            tx.init(params), jnp.asarray(start_step, jnp.int32), jnp.zeros((), jnp.int32), acc
+            tx.init(params), jnp.asarray(first, jnp.int32), jnp.zeros((), jnp.int32), acc
+        )
+
+    def applied(params: Any, new_updates: Any) -> list[Any]:
+        """θ_{t+1} − θ_t as ``optax.apply_updates`` applies ``new_updates``: ``(θ + u)``
+        rounded to θ's storage dtype, minus θ, in that dtype (0 where u < ulp(θ)/2)."""
+
+        def one(p: Any, u: Any) -> Any:
+            if u is None:
+                return None
+            p = jnp.asarray(p)
+            return jnp.asarray(p + u).astype(p.dtype) - p
+
+        return jax.tree_util.tree_leaves(
+            jax.tree_util.tree_map(one, params, new_updates, is_leaf=lambda x: x is None)
         )
 
     def step(updates: Any, inner: Any, count: Any, params: Any, extra: Any) -> tuple[Any, Any]:
@@ -131,7 +166,23 @@ def watch(
         if Kind.GRAD in want:
             groups.append(Group(Kind.GRAD, leaves, jax.tree_util.tree_leaves(updates)))
         if Kind.UPDATE in want:
-            groups.append(Group(Kind.UPDATE, leaves, jax.tree_util.tree_leaves(new_updates)))
+            if params is not None:
+                groups.append(Group(Kind.UPDATE, leaves, applied(params, new_updates)))
+            elif Kind.UPDATE in explicit:
+                raise ValueError(
+                    "traintape.jax.watch(kinds=[..., 'update']): update is θ_{t+1} − θ_t as "
+                    "applied, (θ + u) − θ in θ's dtype, which needs θ_t: call "
+                    "tx.update(grads, state, params)"
+                )
+            elif not warned:
+                warned.append(True)
+                warnings.warn(
+                    "traintape.jax.watch: `update` is not recorded because tx.update was "
+                    "called without params; update is θ_{t+1} − θ_t as applied, which needs "
+                    "θ_t: call tx.update(grads, state, params)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
         if Kind.OPT_STATE in want:
             o_leaves, o_arrays = _opt_state_leaves(inner, updates, name_map)
             if o_leaves:

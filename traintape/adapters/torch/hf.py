@@ -6,11 +6,17 @@ optimizer when training begins and removes every hook when it ends.
 Step semantics: row ``t`` is the ``t``-th completed optimizer step counted from 0, i.e.
 ``state.global_step - 1`` after the step (``state.global_step`` at ``on_train_begin``
 when resuming). With ``gradient_accumulation_steps = k > 1`` there is one row per
-optimizer step and its ``grad`` is the accumulated gradient of the k micro-batches (what
-``optimizer.step()`` applies). With ``max_grad_norm`` set, Trainer clips before
-``optimizer.step()``: the recorded ``grad`` is the *clipped* gradient the optimizer
-applies, while the metric ``train/grad_norm`` is Trainer's own *pre-clip* total L2 norm
-(what Trainer logs as ``grad_norm``).
+optimizer step and its ``grad`` is the accumulated gradient of the k micro-batches.
+``grad`` is the gradient as the backward pass produced it, *before* clipping
+(docs/store-format.md): its global L2 norm is Trainer's own ``grad_norm`` (logged as
+``train/grad_norm``). With ``max_grad_norm`` set (Trainer's default is 1.0) the factor
+Trainer's clipping applied, ``min(1, max_grad_norm / (grad_norm + 1e-6))``, is logged as
+``grad/clip_factor`` at every captured step (1.0: not clipped); the clipping shows in
+``update``.
+
+Resume: the first row is ``state.global_step`` at ``on_train_begin``; a recorder that
+continues a run (``Recorder(url, resume_step=N)``) must continue at that step, else
+``on_train_begin`` raises a ``RecordError`` naming both steps.
 
 Metrics: every numeric value of Trainer's logs (``on_log``: ``loss``, ``learning_rate``,
 ``grad_norm``, ``epoch``, end-of-train summaries) is recorded as ``train/<key>`` on the
@@ -77,6 +83,7 @@ class Callback(TrainerCallback):
             start_step=int(state.global_step),
             **self.watch_kwargs,
         )
+        self.handle.clipping = bool(args.max_grad_norm and args.max_grad_norm > 0)
 
     def on_log(
         self,

@@ -6,11 +6,16 @@
 Step semantics: row ``t`` is the optimizer step ``trainer.global_step == t`` *before*
 the step (the t-th completed optimizer step from 0; resumed runs continue at the
 restored ``global_step``). Lightning steps the optimizer with a closure
-(``optimizer.step(closure)``): ``watch`` reads ``grad`` right after the closure, i.e.
-after the last micro-batch's backward (with ``accumulate_grad_batches = k`` the
-accumulated gradient of k micro-batches, each loss scaled by 1/k as Lightning does),
-after AMP unscaling and after ``on_before_optimizer_step`` and gradient clipping:
-the gradient the optimizer applies.
+(``optimizer.step(closure)``); ``grad`` is the gradient as the last micro-batch's
+backward pass left it (with ``accumulate_grad_batches = k`` the accumulated gradient of
+k micro-batches, each loss scaled by 1/k as Lightning does): ``watch`` takes its
+statistics at the end of that backward pass, *before* ``on_before_optimizer_step`` and
+gradient clipping (docs/store-format.md: ``grad`` is pre-clip; AMP's loss scale is
+divided out). With ``gradient_clip_val`` set (``gradient_clip_algorithm="norm"``) the
+factor the clipping applied is logged as ``grad/clip_factor`` at every captured step
+(1.0: not clipped). A recorder continuing a run (``Recorder(url, resume_step=N)``)
+must continue at the restored ``global_step``, else ``on_train_start`` raises a
+``RecordError`` naming both steps.
 
 Metrics: at ``on_train_batch_end`` of a batch that completed an optimizer step, every
 scalar of ``trainer.callback_metrics`` is logged on that step's row
@@ -64,6 +69,9 @@ class Callback(_LCallback):  # type: ignore[misc]
             start_step=self._last_step,
             **self.watch_kwargs,
         )
+        clip = getattr(trainer, "gradient_clip_val", None)
+        algo = getattr(trainer, "gradient_clip_algorithm", None) or "norm"
+        self.handle.clipping = bool(clip) and str(algo).lower().endswith("norm")
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int

@@ -11,11 +11,17 @@ With an optimizer, the step boundary is the optimizer's step post-hook:
 - at the boundary (post-hook of step t − 1, or ``watch`` itself): ``param`` stats and
   snapshots of *buffers* (BatchNorm ``running_mean``/``running_var``, which batch t's
   forward pass changes in place) and the activation probe (θ_t, before batch t);
+- end of each backward pass (an autograd engine callback, after DDP's/FSDP2's
+  reduction; :mod:`~traintape.adapters.torch.clip`): raw statistics of ``p.grad`` —
+  the last backward of the step leaves the gradient accumulated over its micro-batches;
 - step pre-hook (trainable/frozen parameters are still θ_t — a forward pass does not
-  change them — and ``p.grad`` holds the gradient accumulated over all micro-batches
-  of step t): ``param`` of the parameters, ``grad`` = ``p.grad``; θ_t is copied (one
+  change them): ``param`` of the parameters; ``grad`` = the gradient as the backward
+  pass produced it, *before* clipping (the end-of-backward statistics; if the gradients
+  were rescaled since — ``clip_grad_norm_``, AMP unscaling — the factor is measured and
+  the clip factor logged as the metric ``grad/clip_factor``); θ_t is copied (one
   batched ``torch._foreach_copy_``) if ``update`` is recorded;
-- step post-hook: ``update`` = θ_{t+1} − θ_t, ``opt_state`` (see below), then one
+- step post-hook: ``update`` = θ_{t+1} − θ_t as applied (in the parameter's dtype: 0
+  where the optimizer's change was below half an ulp of θ), ``opt_state`` (see below), then one
   device→host transfer of every raw row of the step and one ``Recorder.record_step``;
   the step counter advances and the boundary reads of step t + 1 are taken.
 
@@ -35,8 +41,11 @@ update and *before* gradients are zeroed: it records ``grad`` (current ``p.grad`
 ``update`` (θ now − θ at the previous boundary) and ``param`` θ_t (everything taken at
 the previous boundary, or when ``watch`` was called for the first step).
 
-Optimizer state (kind ``opt_state``, when the policy records it and an optimizer is
-given): every parameter-shaped tensor in ``optimizer.state[p]`` after step t, under
+Kinds: the policy's, or ``kinds=(...)``: exactly those, each recorded even when the
+policy leaves it out (the explicit request wins, :mod:`traintape.adapters.kinds`).
+
+Optimizer state (kind ``opt_state``, when the policy (or ``kinds``) records it and an
+optimizer is given): every parameter-shaped tensor in ``optimizer.state[p]`` after step t, under
 ``<parameter canonical name>/<field>`` with the parameter's row block and permutation.
 Fields use optax's state names so stores agree with the JAX adapter (see
 :data:`~traintape.adapters.torch.opt_state.OPTAX_FIELDS`: Adam ``exp_avg``/``exp_avg_sq`` → ``mu``/``nu``, SGD
@@ -81,6 +90,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from traintape.adapters.kinds import request_kinds
+from traintape.adapters.start import start_step as first_step
+from traintape.adapters.torch import clip as C
 from traintape.adapters.torch import stats as S
 from traintape.adapters.torch.dist import (
     counts_here,
@@ -155,7 +167,13 @@ class WatchHandle:
             ``handle.step()`` after each update.
         name_map: mapping/callable renaming canonical names (see
             :mod:`traintape.core.naming`).
-        start_step: optimizer step of the first recorded row (resume).
+        start_step: optimizer step of the first recorded row; None (default): the
+            recorder's :attr:`~traintape.Recorder.next_step` (``N`` after
+            ``Recorder(url, resume_step=N)``). One that disagrees with a recorder
+            continuing a run is a ``RecordError`` naming both steps.
+        kinds: the kinds to record (among ``param``, ``grad``, ``update``,
+            ``activation``, ``opt_state``); None (default): the policy's. Named kinds
+            are recorded even when the policy leaves them out.
         activations: record outputs of parametrised modules (``<layer>/output``).
         probe: a fixed input (tensor or tuple of positional args) whose activations are
             stored in full on full-capture steps (eval mode, no grad, θ_t).
@@ -170,6 +188,9 @@ class WatchHandle:
         step_index: the optimizer step the next recorded data belongs to.
         layout: canonical names/layouts of the model's tensors.
         micro_batches: backward passes seen during the current step.
+        clipping: log ``grad/clip_factor`` at every captured step (1.0 when the
+            gradients were not rescaled), not only from the first step a rescale is
+            seen (the HF/Lightning callbacks set it when their trainer clips).
     """
 
     def __init__(
@@ -179,10 +200,11 @@ class WatchHandle:
         optimizer: Any = None,
         *,
         name_map: NameMap = None,
-        start_step: int = 0,
+        start_step: int | None = None,
         activations: bool = True,
         probe: torch.Tensor | Sequence[Any] | None = None,
         frozen: str = "full",
+        kinds: Sequence[Kind | str] | None = None,
     ) -> None:
         if frozen not in ("full", "every"):
             raise ValueError(f"traintape.torch.watch: frozen={frozen!r}; use 'full' or 'every'")
@@ -193,10 +215,22 @@ class WatchHandle:
         self.rec = recorder
         self.optimizer = None if optimizer is None else unwrap_optimizer(optimizer)
         optimizer = self.optimizer
-        self.step_index = int(start_step)
+        self._kinds = None if kinds is None else frozenset(Kind(k) for k in kinds)
+        if self._kinds is not None:
+            request_kinds(recorder, self._kinds)  # asked for by name: whatever the policy
+        self.step_index = first_step(recorder, start_step, "traintape.torch.watch")
+        self.clipping = False
+        self._clip_seen = False  # a rescale between backward and step was seen
+        self._clip_warned = False
+        self._grad_on = False  # grad recorded at the current step
+        self._bwd: tuple[torch.Tensor, list[bool], Any] | None = None
+        self._clip_check: Any = None  # (norm pairs, loss scale), then [factor]
+        self._bwd_queued = False
+        self._bwd_failed = False
         self._rank = recorder.group.index
         self.probe = probe
         self.micro_batches = 0
+        self._removed = False
         self._handles: list[Any] = []
         self._removed = False
         if hasattr(model, "_orig_mod"):
@@ -228,6 +262,7 @@ class WatchHandle:
             stats_backend=S.stats_backend(next((p.device for p in model.parameters()), None)),
         )
         self._declare_params()
+        self._grads_taken = False
         # per-step device state: raw stat blocks per kind (merged at the step's end)
         self._pending: dict[Kind, list[tuple[list[str], torch.Tensor, list[bool]]]] = {}
         # per kind: host copies (activations; multi-process blocks) or a SnapshotStream
@@ -254,14 +289,21 @@ class WatchHandle:
     # ---------------------------------------------------------------- setup
     def _declare_params(self) -> None:
         specs: list[TensorSpec] = []
-        pol = self.rec.policy
-        if pol.records_kind(Kind.PARAM):
+        if self._records(Kind.PARAM):
             specs += [_spec(e, Kind.PARAM) for e in self.param_entries]
         for kind in (Kind.GRAD, Kind.UPDATE):
-            if pol.records_kind(kind):
+            if self._records(kind):
                 specs += [_spec(e, kind) for e in self.train_entries]
         if specs:
             self.rec.declare(specs)
+
+    def _records(self, kind: Kind) -> bool:
+        """Whether this watch records ``kind`` at all (the policy's, or ``kinds``)."""
+        return (self._kinds is None or kind in self._kinds) and self.rec.policy.records_kind(kind)
+
+    def _wants(self, step: int, kind: Kind) -> bool:
+        """Whether ``kind`` is recorded at ``step`` (:meth:`Recorder.wants` and ``kinds``)."""
+        return (self._kinds is None or kind in self._kinds) and self.rec.wants(step, kind)
 
     def _install(self) -> None:
         self._first_param = self.train_entries[0].tensor() if self.train_entries else None
@@ -299,6 +341,32 @@ class WatchHandle:
             self._reduce_activations()
         if p is self._first_param:
             self.micro_batches += 1
+        if self._grad_on and not self._bwd_queued and not self._grads_taken:
+            self._bwd_queued = True
+            C.queue_end_of_backward(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        """Raw stats of the gradients as this backward pass left them (reduced over
+        processes: DDP/FSDP2 finalise before this runs); the step's last one is
+        recorded as ``grad``. A failure falls back to reading ``p.grad`` at the step."""
+        self._bwd_queued = False
+        if self._removed or self._grads_taken or not self._grad_on:
+            return
+        try:
+            tensors = [(e, e.tensor().grad) for e in self.train_entries]
+            shards = [self._shard(e, g) for e, g in tensors]
+            raw = S.raw_stats([x for x, _, _ in shards], [m for _, _, m in shards])
+            self._bwd = (raw, [h for _, h, _ in shards], C.versions(self._unique_train_tensors()))
+        except Exception as e:  # capture must not fail the backward pass
+            self._bwd = None
+            if not self._bwd_failed:
+                self._bwd_failed = True
+                warnings.warn(
+                    f"traintape.torch: gradient statistics at the end of backward failed "
+                    f"({e!r}); grad is read at the optimizer step instead (after clipping)",
+                    RuntimeWarning,
+                    stacklevel=1,
+                )
 
     def _forward_hook(self, site: ActivationSite) -> Callable[..., None]:
         def hook(mod: nn.Module, args: Any, out: Any) -> None:
@@ -467,7 +535,10 @@ class WatchHandle:
         state and read what batch t's forward could change (buffers, probe), plus every
         ``param`` and the θ_t copy when there is no optimizer."""
         t, rec = self.step_index, self.rec
-        self._act_on = bool(self.sites) and rec.wants(t, Kind.ACTIVATION)
+        self._grad_on = bool(self.train_entries) and self._wants(t, Kind.GRAD)
+        self._grads_taken = False
+        self._bwd = None
+        self._act_on = bool(self.sites) and self._wants(t, Kind.ACTIVATION)
         self._act_frozen = False
         self._act_shapes = {}
         self.micro_batches = 0
@@ -480,7 +551,7 @@ class WatchHandle:
     def _params(self, entries: list[ParamEntry]) -> None:
         """``param`` stats (and snapshots on full steps) of ``entries``, read now."""
         t, rec = self.step_index, self.rec
-        if not entries or not rec.wants(t, Kind.PARAM):
+        if not entries or not self._wants(t, Kind.PARAM):
             return
         frozen = [e for e in entries if not e.is_buffer and not e.trainable]
         if frozen and self.frozen == "full":
@@ -500,7 +571,7 @@ class WatchHandle:
 
     def _copy_theta(self) -> None:
         """Copy θ_t of the trainable parameters (for ``update``), or drop the copy."""
-        if not self.train_entries or not self.rec.wants(self.step_index, Kind.UPDATE):
+        if not self.train_entries or not self._wants(self.step_index, Kind.UPDATE):
             self._theta = None
             return
         live = [local(p.detach()) for p in self._unique_train_tensors()]
@@ -533,18 +604,79 @@ class WatchHandle:
                 m.training = mode
 
     def _grads(self) -> None:
+        """``grad`` of step t: the end-of-backward statistics (pre-clip; AMP's loss scale
+        divided out), or ``p.grad`` read now when no backward pass was seen (gradients
+        set by hand). The gradients' norms now against those at the end of backward give
+        the clip factor (:mod:`.clip`), resolved with the step's one transfer in
+        :meth:`_end` — here only on full-capture steps, whose snapshots need it."""
         t = self.step_index
-        if not self.train_entries or not self.rec.wants(t, Kind.GRAD):
+        bwd, self._bwd = self._bwd, None
+        self._clip_check = None
+        if not self.train_entries or not self._wants(t, Kind.GRAD):
             return
-        self._add_tensors(Kind.GRAD, [e.name for e in self.train_entries],
-                          [(e, e.tensor().grad) for e in self.train_entries])  # fmt: skip
+        names = [e.name for e in self.train_entries]
+        grads = [e.tensor().grad for e in self.train_entries]
+        if bwd is None:
+            self._add_tensors(Kind.GRAD, names, list(zip(self.train_entries, grads, strict=True)))
+        else:
+            raw, here, before = bwd
+            full = self.rec.policy.snapshots(t, Kind.GRAD)
+            if before is None or full or before != C.versions(self._unique_train_tensors()):
+                amp = C.loss_scale()
+                if amp != 1.0:
+                    raw = C.scale_raw(raw, 1.0 / amp)
+                now = [self._shard(e, g)[0] for e, g in zip(self.train_entries, grads, strict=True)]
+                self._clip_check = (C.norm_pairs(bwd[0], now), amp)
+            else:  # the same gradient tensors, never changed in place: not rescaled
+                self._clip_check = [1.0]
+            self._add(Kind.GRAD, names, raw, here)
+            if full:
+                factor = self._clip_factor()
+                if factor not in (None, 1.0):
+                    with torch.no_grad():  # the snapshot before clipping (within rounding)
+                        grads = [None if g is None else g / factor for g in grads]
         self._take_snapshots(
-            Kind.GRAD, [(e.name, e, e.tensor().grad, e.tensor().dtype) for e in self.train_entries]
+            Kind.GRAD,
+            [
+                (e.name, e, g, e.tensor().dtype)
+                for e, g in zip(self.train_entries, grads, strict=True)
+            ],
+        )
+
+    def _clip_factor(self) -> float | None:
+        """Resolve the step's clip factor (once; a device→host transfer of 2 × n norms)
+        and remember it for the metric; None when the change was not one factor."""
+        check = self._clip_check
+        if check is None:
+            return 1.0
+        if isinstance(check, tuple):
+            pairs, amp = check
+            host = None if pairs is None else pairs.cpu().numpy()
+            factor = C.clip_factor(host, amp)
+            self._clip_check = [factor]  # resolved
+            if factor is None:
+                self._warn_not_uniform(self.step_index)
+            elif factor != 1.0:
+                self._clip_seen = True
+            return factor
+        return check[0]
+
+    def _warn_not_uniform(self, t: int) -> None:
+        if self._clip_warned:
+            return
+        self._clip_warned = True
+        warnings.warn(
+            f"traintape.torch: at step {t} the gradients were changed between the end of "
+            f"backward and optimizer.step() by something other than one common factor "
+            f"(not clip_grad_norm_: e.g. clip_grad_value_ or edited gradients); grad stats "
+            f"are the gradient as backward produced it, no grad/clip_factor is logged",
+            RuntimeWarning,
+            stacklevel=3,
         )
 
     def _updates(self) -> None:
         t = self.step_index
-        if self._theta is None or not self.rec.wants(t, Kind.UPDATE):
+        if self._theta is None or not self._wants(t, Kind.UPDATE):
             return
         live = self._unique_train_tensors()
         with torch.no_grad():
@@ -561,7 +693,7 @@ class WatchHandle:
     def _opt_state(self) -> None:
         """``opt_state`` after step t: parameter-shaped ``optimizer.state`` tensors."""
         t, opt = self.step_index, self._opt_state_tracker
-        if opt is None or not self.rec.wants(t, Kind.OPT_STATE):
+        if opt is None or not self._wants(t, Kind.OPT_STATE):
             return
         leaves = opt.leaves(self.rec)
         if not leaves:
@@ -651,6 +783,11 @@ class WatchHandle:
         self._act_raw = {}
         t = self.step_index
         blocks = [(k, names, m, h) for k, parts in pending.items() for names, m, h in parts]
+        if self._clip_check is not None:
+            factor = self._clip_factor()
+            self._clip_check = None
+            if factor is not None and (self._clip_seen or self.clipping) and self._rank == 0:
+                self.rec.log(t, {"grad/clip_factor": factor})
         if blocks:
             mats = [m for _, _, m, _ in blocks]
             if len({m.device for m in mats}) > 1:
