@@ -119,17 +119,14 @@ def test_llama_decay_on_norm_scales_found_at_their_update(llama):
     assert (fd.kind, fd.first_step_out) == ("update", 0) and fd.tensor.endswith("norm/scale")
 
 
-@pytest.mark.xfail(reason="needs the semantics branch", strict=False)
 def test_llama_adamw_port_with_clipping_is_identical(llama):
-    """JAX records the raw gradient, torch's watch reads p.grad after clip_grad_norm_
-    scaled it: with clipping acting (pre-clip norms > 1) the grads differ by the clip
-    factor until every adapter records ``grad`` before clipping (DEFINITIONS, semantics
-    branch). Without clipping acting the same port is identical (test above)."""
+    """Clipping acting at every step (pre-clip norms > 1): every adapter records ``grad``
+    before clipping (docs/store-format.md), so the Linen and torch ports are identical
+    (torch's watch once read p.grad after clip_grad_norm_ had scaled it)."""
     rep = compare(llama["linen-clip"], llama["torch-clip"])
     assert rep.identical, rep.first_divergence
 
 
-@pytest.mark.xfail(reason="needs the semantics branch", strict=False)
 def test_llama_decay_on_norm_scales_with_clipping(llama):
     rep = compare(llama["linen-clip"], llama["torch-clip-decay_norms"])
     fd = rep.first_divergence
