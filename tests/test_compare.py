@@ -209,3 +209,21 @@ def test_gradients_diverge_first_at_the_head(tmp_path):
     a, b = rec(str(tmp_path / "a"), 1.0), rec(str(tmp_path / "b"), 2.0)
     first = compare(a, b).first_divergence
     assert (first.tensor, first.kind, first.first_step_out) == ("head/kernel", "grad", 0)
+
+
+def test_system_metrics_are_never_a_difference(tmp_path):
+    """Which sys/* metrics a run holds depends on how long it ran (cpu_percent needs two
+    samples) and on the machine: runs of the same model compare identical whatever
+    system metrics they hold — here one run has them all and the other none."""
+
+    def rec(url: str, system: bool) -> str:
+        with traintape.Recorder(url, system_metrics=system) as r:
+            for t in range(3):
+                r.record(t, "param", {"fc/kernel": np.full((2, 2), float(t), np.float32)})
+                r.log(t, loss=1.0 / (t + 1))
+        return url
+
+    a, b = rec(str(tmp_path / "a"), True), rec(str(tmp_path / "b"), False)
+    assert any(n.startswith("sys/") for n in traintape.open_run(a).manifest.metrics)
+    rep = compare(a, b)
+    assert rep.identical, [s.message for s in rep.structural]

@@ -285,5 +285,5 @@ def test_compare_two_frameworks_tutorial_runs_end_to_end(tmp_path):
     )  # fmt: skip
     assert out.returncode == 0 and out.stdout.startswith("identical"), out.stdout[-2000:]
     # piped, the table keeps every column (no terminal: not cut to 80 columns)
-    header = next(line for line in out.stdout.splitlines() if "first step out" in line)
-    assert "tol" in header and "min cos" in header
+    header = next(line for line in out.stdout.splitlines() if "first out" in line)
+    assert "worst/tol" in header and "min cos" in header and "noise floor" in header

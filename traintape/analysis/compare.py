@@ -91,6 +91,7 @@ from traintape.analysis.compare_numerics import (
     resolve_precision,
 )
 from traintape.analysis.compare_stats import Cols, KindPlan, StatsPass, plan_kind
+from traintape.core.system import is_system
 from traintape.schema import Kind
 
 if TYPE_CHECKING:
@@ -144,6 +145,10 @@ def _structure(ra: Run, rb: Run, out: list[StructuralDiff], notes: list[str]) ->
     # Keras; not NNX): equivalent models may have it on one side only
     fa = da.pop("forward_order", None)
     fb = db.pop("forward_order", None)
+    # system metrics (sys/*) describe the machine, not the model: which of them a run
+    # holds depends on how long it ran (cpu_percent needs two samples), never compared
+    for d in (da, db):
+        d["metrics"] = [n for n in d.get("metrics") or [] if not is_system(n)]
     if fa is not None and fb is not None and fa != fb:
         notes.append(f"forward order differs: {fa} vs {fb}")
     for key in sorted(set(da) | set(db)):
