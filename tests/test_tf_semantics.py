@@ -199,6 +199,7 @@ def test_callback_restores_jit_compile_on_tensorflow(run_dir: str) -> None:
 
     m = _model()
     m.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", jit_compile=True)
+    before = m.jit_compile  # Keras may itself refuse jit in some processes (seen once in CI)
     seen: list[bool] = []
 
     class Watch(keras.callbacks.Callback):
@@ -209,7 +210,7 @@ def test_callback_restores_jit_compile_on_tensorflow(run_dir: str) -> None:
     with traintape.Recorder(run_dir) as rec:
         m.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[ttk.Callback(rec), Watch()])
     assert seen == [False, False]  # tf.numpy_function cannot be XLA-compiled
-    assert m.jit_compile is True  # restored after fit
+    assert m.jit_compile is before  # restored after fit (True where Keras allowed it)
     run = traintape.open_run(run_dir)
     assert list(run.steps) == [0, 1]
     version = run.manifest.producer.framework_version

@@ -99,7 +99,8 @@ def test_compare_atol_and_rtol_arguments_change_the_verdict(pair):
 
 
 def test_compare_row_missing_on_one_side_differs(tmp_path):
-    """Planted bug: compare drops a row when *either* side is all-NaN (should be: both)."""
+    """Planted bug: compare drops a row when *either* side is all-NaN (should be: both —
+    a row missing on one side only is counted as one-sided, and differs when strict)."""
     missing_step, tensor = 5, NAMES.index("layers/1/kernel")
 
     def one_side(t: int, v: np.ndarray) -> None:
@@ -110,15 +111,18 @@ def test_compare_row_missing_on_one_side_differs(tmp_path):
     _write(a, 8)
     _write(b, 8, edit=one_side)
     _write(c, 8, edit=one_side)
+    # shared mode (docs/compare.md): a step recorded in one run only is not compared but
+    # counted and listed; strict mode makes it a difference
     rep = compare(a, b)
-    assert not rep.identical
     d = rep.diff("layers/1/kernel", "grad")
-    assert d.first_step_out == missing_step
-    assert d.steps_compared == 8
-    # both sides lack it: nothing to judge, the runs agree
+    assert d.steps_one_sided == 1 and d.steps_compared == 7
+    assert any(s.what == "rows" and s.tensor == "layers/1/kernel" for s in rep.not_compared)
+    assert not compare(a, b, strict=True).identical
+    # both sides lack it: nothing to judge, the runs agree, even strictly
     both = compare(b, c)
-    assert both.identical
-    assert both.diff("layers/1/kernel", "grad").steps_compared == 7
+    assert both.identical and compare(b, c, strict=True).identical
+    bd = both.diff("layers/1/kernel", "grad")
+    assert bd.steps_compared == 7 and bd.steps_one_sided == 0
 
 
 # ------------------------------------------------------------------- long-run anomalies
